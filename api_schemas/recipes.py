@@ -1,0 +1,73 @@
+"""Built-in recipes and the cross-field checks pydantic cannot express per field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from api_schemas.jobs import JobSpec
+
+
+class MlpParams(BaseModel):
+    """Extras of the `mlp` recipe (a small MLP classifier on deterministic synthetic data)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_size: int = Field(32, ge=1, le=65_536)
+    hidden_size: int = Field(64, ge=1, le=65_536)
+    num_layers: int = Field(2, ge=1, le=64)
+    num_classes: int = Field(10, ge=2, le=100_000)
+    dataset_size: int = Field(4096, ge=1, le=100_000_000)
+
+
+# Recipe name -> model of its hyperparameter extras. The engine registers the same names
+# (a test keeps the two in step).
+RECIPES: dict[str, type[BaseModel]] = {"mlp": MlpParams}
+
+_BASE_HYPERPARAMETERS = {"global_batch_size", "lr", "momentum", "weight_decay", "steps", "seed"}
+
+
+def _err(loc: tuple[str | int, ...], msg: str, value: Any) -> dict[str, Any]:
+    return {"type": "value_error", "loc": loc, "msg": msg, "input": value}
+
+
+def spec_errors(spec: JobSpec) -> list[dict[str, Any]]:
+    """Errors across fields of an otherwise valid spec, each with its field path (empty if none)."""
+    errors: list[dict[str, Any]] = []
+    if (spec.recipe is None) == (spec.entrypoint is None):
+        errors.append(_err(("recipe",), "exactly one of 'recipe' or 'entrypoint' must be given", spec.recipe))
+    if spec.entrypoint is not None:
+        errors.append(_err(("entrypoint",), "entrypoints are not enabled on this server", spec.entrypoint))
+    if spec.recipe is not None and spec.recipe not in RECIPES:
+        known = ", ".join(sorted(RECIPES))
+        errors.append(_err(("recipe",), f"unknown recipe {spec.recipe!r}; known: {known}", spec.recipe))
+    hp = spec.hyperparameters
+    world = spec.world_size
+    if hp.global_batch_size % world != 0:
+        errors.append(
+            _err(
+                ("hyperparameters", "global_batch_size"),
+                f"global_batch_size {hp.global_batch_size} is not divisible by the world size {world}",
+                hp.global_batch_size,
+            )
+        )
+    extras = {k: v for k, v in (hp.model_extra or {}).items() if k not in _BASE_HYPERPARAMETERS}
+    params_model = RECIPES.get(spec.recipe or "")
+    if params_model is not None:
+        try:
+            params_model.model_validate(extras)
+        except ValidationError as exc:
+            for e in exc.errors():
+                msg = e["msg"]
+                if e["type"] == "extra_forbidden":
+                    msg = f"not a hyperparameter of recipe {spec.recipe!r}"
+                errors.append(_err(("hyperparameters", *e["loc"]), msg, e.get("input")))
+    return errors
+
+
+def recipe_params(spec: JobSpec) -> dict[str, Any]:
+    """The recipe's extras with defaults filled in."""
+    params_model = RECIPES[spec.recipe or ""]
+    extras = {k: v for k, v in (spec.hyperparameters.model_extra or {}).items()}
+    return params_model.model_validate(extras).model_dump()

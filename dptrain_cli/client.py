@@ -1,0 +1,76 @@
+"""A small HTTP client of the v1 API for the CLI (and tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.config import Settings, get_settings
+
+
+class ApiError(Exception):
+    """The API refused a request; `detail` is what it said."""
+
+    def __init__(self, status_code: int, detail: Any) -> None:
+        super().__init__(f"HTTP {status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+
+
+def resolve_token(settings: Settings) -> str | None:
+    """DPTRAIN_TOKEN, else the token `dptrain up` wrote under DPTRAIN_HOME."""
+    if settings.token is not None:
+        return settings.token.get_secret_value()
+    path = Path(settings.home) / "token"
+    return path.read_text().strip() if path.is_file() else None
+
+
+class Client:
+    """Calls the API at DPTRAIN_API_URL with DPTRAIN_TOKEN."""
+
+    def __init__(self, base_url: str, token: str | None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    @classmethod
+    def from_env(cls) -> Client:
+        """A client configured from the environment."""
+        settings = get_settings()
+        return cls(settings.api_url, resolve_token(settings))
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        r = self.http.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+                detail = body.get("detail", body)
+            except ValueError:
+                detail = r.text
+            raise ApiError(r.status_code, detail)
+        return r.json()
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/jobs."""
+        return dict(self._call("POST", "/v1/jobs", json=spec))
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        """GET /v1/jobs/{id}."""
+        return dict(self._call("GET", f"/v1/jobs/{job_id}"))
+
+    def list(self, *, limit: int = 50, status: str | None = None) -> dict[str, Any]:
+        """GET /v1/jobs."""
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status
+        return dict(self._call("GET", "/v1/jobs", params=params))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        """POST /v1/jobs/{id}/cancel."""
+        return dict(self._call("POST", f"/v1/jobs/{job_id}/cancel"))
+
+    def logs(self, job_id: str, *, after: int | None = None, rank: int | None = None) -> dict[str, Any]:
+        """GET /v1/jobs/{id}/logs."""
+        params = {k: v for k, v in {"after": after, "rank": rank}.items() if v is not None}
+        return dict(self._call("GET", f"/v1/jobs/{job_id}/logs", params=params))

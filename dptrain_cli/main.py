@@ -1,0 +1,165 @@
+"""`dptrain`: run the service, or talk to it (submit, status, list, cancel, logs)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dptrain_cli import server
+from dptrain_cli.client import ApiError, Client
+
+app = typer.Typer(no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP.")
+out = Console()
+err = Console(stderr=True)
+
+app.command()(server.api)
+app.command()(server.worker)
+app.command()(server.migrate)
+app.command()(server.up)
+
+EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED = 0, 1, 2, 3
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def _load_spec(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise typer.BadParameter(f"{path} does not hold a job spec object")
+    return data
+
+
+def _refused(exc: ApiError) -> typer.Exit:
+    if isinstance(exc.detail, list):
+        for e in exc.detail:
+            loc = ".".join(str(p) for p in e.get("loc", []) if p != "body")
+            err.print(f"[red]{loc}[/red]: {e.get('msg')}")
+    else:
+        err.print(f"[red]refused ({exc.status_code})[/red]: {exc.detail}")
+    return typer.Exit(EXIT_REFUSED)
+
+
+def _exit_for(job: dict[str, Any]) -> int:
+    return EXIT_SUCCEEDED if job["status"] == "succeeded" else EXIT_FAILED
+
+
+def _report_end(job: dict[str, Any]) -> None:
+    colour = "green" if job["status"] == "succeeded" else "red"
+    out.print(f"job {job['id']} [{colour}]{job['status']}[/{colour}] at step {job['progress']['step']}")
+    if job.get("error"):
+        e = job["error"]
+        rank = f" on rank {e['rank']}" if e.get("rank") is not None else ""
+        err.print(f"[red]{e['type']}{rank}: {e['message']}[/red]")
+        if e.get("traceback"):
+            err.print(e["traceback"], markup=False, highlight=False)
+
+
+@app.command()
+def submit(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Job spec, YAML or JSON."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the job to its end with a progress bar."),
+    timeout: float = typer.Option(0, "--timeout", help="With --wait: give up after S seconds (exit 2)."),
+) -> None:
+    """Submit a job. With --wait: exit 0 if it succeeded, 1 if it failed or was cancelled, 2 on timeout."""
+    client = Client.from_env()
+    try:
+        job = client.submit(_load_spec(file))
+    except ApiError as exc:
+        raise _refused(exc) from exc
+    out.print(job["id"])
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+    with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(job["status"], total=job["progress"]["total_steps"])
+        while job["status"] not in TERMINAL:
+            if deadline is not None and time.monotonic() > deadline:
+                err.print(
+                    f"[yellow]timed out after {timeout:g} s; job {job['id']} is {job['status']}[/yellow]"
+                )
+                raise typer.Exit(EXIT_TIMEOUT)
+            time.sleep(1.0)
+            job = client.get(job["id"])
+            loss = job["latest_metrics"].get("loss")
+            desc = job["status"] + (f" loss={loss:.4g}" if loss is not None else "")
+            bar.update(task, completed=job["progress"]["step"], description=desc)
+    _report_end(job)
+    raise typer.Exit(_exit_for(job))
+
+
+@app.command()
+def status(job_id: str) -> None:
+    """Show one job as JSON."""
+    try:
+        out.print_json(data=Client.from_env().get(job_id))
+    except ApiError as exc:
+        raise _refused(exc) from exc
+
+
+@app.command("list")
+def list_jobs(
+    limit: int = typer.Option(20, help="How many jobs."), status: str | None = typer.Option(None)
+) -> None:
+    """List recent jobs."""
+    try:
+        page = Client.from_env().list(limit=limit, status=status)
+    except ApiError as exc:
+        raise _refused(exc) from exc
+    table = Table("id", "name", "status", "step", "owner", "created")
+    for j in page["items"]:
+        p = j["progress"]
+        table.add_row(
+            j["id"], j["name"], j["status"], f"{p['step']}/{p['total_steps']}", j["owner"], j["created_at"]
+        )
+    out.print(table)
+
+
+@app.command()
+def cancel(job_id: str) -> None:
+    """Cancel a job."""
+    try:
+        job = Client.from_env().cancel(job_id)
+    except ApiError as exc:
+        raise _refused(exc) from exc
+    out.print(f"job {job_id}: {job['status']}" + (" (stop requested)" if job.get("cancel_requested") else ""))
+
+
+@app.command()
+def logs(
+    job_id: str,
+    rank: int | None = typer.Option(None, help="Only this rank."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep reading until the job ends."),
+) -> None:
+    """Print a job's per-rank output."""
+    client = Client.from_env()
+    cursor: int | None = None
+    try:
+        while True:
+            page = client.logs(job_id, after=cursor, rank=rank)
+            for line in page["items"]:
+                who = "launcher" if line["rank"] is None else f"rank{line['rank']}"
+                out.print(f"[dim]{who}[/dim] {line['line']}", markup=True, highlight=False)
+            cursor = page["next_cursor"]
+            if not follow:
+                if page["items"]:
+                    continue
+                return
+            if not page["items"]:
+                if client.get(job_id)["status"] in TERMINAL:
+                    return
+                time.sleep(1.0)
+    except ApiError as exc:
+        raise _refused(exc) from exc
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,88 @@
+"""Server-side commands: api, worker, migrate, and the embedded `up`."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from service.config import Settings, get_settings
+
+console = Console(stderr=True)
+
+
+def migrate() -> None:
+    """Apply database migrations (Alembic, the only source of the schema)."""
+    from migrations import upgrade
+
+    settings = get_settings()
+    if settings.is_sqlite:
+        Path(settings.home).mkdir(parents=True, exist_ok=True)
+    upgrade(settings.database_url)
+    console.print(f"[green]database at head[/green] ({_redact(settings.database_url)})")
+
+
+def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
+    """Run the HTTP API (uvicorn)."""
+    import uvicorn
+
+    uvicorn.run("service.main:app", host=host, port=port, workers=workers, log_level="info")
+
+
+def worker(
+    concurrency: int = typer.Option(0, help="Jobs run at once (default DPTRAIN_WORKER_CONCURRENCY)."),
+) -> None:
+    """Run a Celery worker that trains jobs."""
+    settings = get_settings()
+    argv = _worker_argv(settings, concurrency or settings.worker_concurrency)
+    from workers.celery_app import app as celery_app
+
+    celery_app.worker_main(argv)
+
+
+def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
+    return ["worker", "-Q", settings.queue, "-c", str(concurrency), "--loglevel", "INFO", "-n", "dptrain@%h"]
+
+
+def up(host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Embedded default: API and one worker, SQLite and a serverless queue under DPTRAIN_HOME."""
+    home = Path(os.environ.get("DPTRAIN_HOME", ".dptrain")).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ["DPTRAIN_HOME"] = str(home)
+    token = os.environ.get("DPTRAIN_BOOTSTRAP_TOKEN")
+    token_file = home / "token"
+    if not token:
+        token = token_file.read_text().strip() if token_file.is_file() else secrets.token_urlsafe(24)
+        os.environ["DPTRAIN_BOOTSTRAP_TOKEN"] = token
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    get_settings.cache_clear()
+    migrate()
+    settings = get_settings()
+    worker_cmd = [sys.executable, "-m", "dptrain_cli.main", "worker", "--concurrency", "1"]
+    worker_proc = subprocess.Popen(worker_cmd, env=os.environ.copy())
+    console.print(
+        f"[bold]dptrain up[/bold] on http://{host}:{port}  home={home}\n"
+        f"token: {token_file} (the CLI reads it when DPTRAIN_TOKEN is unset)\n"
+        f"database: {_redact(settings.database_url)}  broker: {_redact(settings.broker_url)}"
+    )
+    try:
+        api(host=host, port=port)
+    finally:
+        worker_proc.terminate()
+        try:
+            worker_proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            worker_proc.kill()
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

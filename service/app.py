@@ -1,0 +1,49 @@
+"""The FastAPI application."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service.auth.tokens import ensure_bootstrap_admin
+from service.config import Settings, get_settings
+from service.db import session_factory
+from service.dispatch import CeleryDispatcher, Dispatcher
+from service.errors import install_error_handler
+from service.jobs.router import router as jobs_router
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | None = None) -> FastAPI:
+    """Build the API app; tests pass their own settings and dispatcher."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.bootstrap_token is not None:
+            with app.state.session_factory.begin() as session:
+                ensure_bootstrap_admin(session, token=settings.bootstrap_token.get_secret_value())
+        yield
+
+    app = FastAPI(
+        title="dptrain",
+        version="1",
+        summary="Submit data-parallel training jobs, follow them, fetch their checkpoints.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.session_factory = session_factory(settings)
+    app.state.dispatcher = dispatcher or CeleryDispatcher(settings)
+    install_error_handler(app)
+    app.include_router(jobs_router)
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    return app

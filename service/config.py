@@ -1,0 +1,73 @@
+"""The one settings class (pydantic-settings, prefix DPTRAIN_), shared by API, workers and CLI."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Configuration from the environment; unset URLs fall back to the embedded default under `home`."""
+
+    model_config = SettingsConfigDict(env_prefix="DPTRAIN_", extra="ignore")
+
+    home: Path = Path(".dptrain")
+    database_url: str = ""
+    broker_url: str = ""
+    artifact_root: Path | None = None
+    queue: str = "dptrain"
+    bootstrap_token: SecretStr | None = None
+
+    # Worker: how often the launcher ships events to SQL and looks for a cancel request.
+    report_interval_seconds: float = 0.5
+    cancel_grace_seconds: float = 5.0
+    worker_concurrency: int = 1
+
+    # API
+    max_page_size: int = 200
+    default_page_size: int = 50
+
+    # Client (CLI)
+    api_url: str = "http://127.0.0.1:8000"
+    token: SecretStr | None = None
+
+    @field_validator("bootstrap_token")
+    @classmethod
+    def _strong_token(cls, v: SecretStr | None) -> SecretStr | None:
+        # Refuse an obviously guessable admin token rather than run with it.
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("DPTRAIN_BOOTSTRAP_TOKEN must be at least 16 characters")
+        return v
+
+    @model_validator(mode="after")
+    def _embedded_defaults(self) -> Settings:
+        home = self.home.resolve()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{home / 'dptrain.db'}"
+        if not self.broker_url:
+            # kombu's SQLAlchemy transport: a queue in a SQLite file, no broker server needed.
+            self.broker_url = f"sqla+sqlite:///{home / 'broker.db'}"
+        if self.artifact_root is None:
+            self.artifact_root = home / "artifacts"
+        self.artifact_root = self.artifact_root.resolve()
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        """True for the embedded SQLite database."""
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def artifacts(self) -> Path:
+        """The artifact root, always set after validation."""
+        assert self.artifact_root is not None
+        return self.artifact_root
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """Settings read once per process."""
+    return Settings()

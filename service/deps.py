@@ -1,0 +1,84 @@
+"""Request dependencies as Annotated aliases; routes just declare them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from service.auth.tokens import user_for_token
+from service.config import Settings
+from service.dispatch import Dispatcher
+from service.errors import Unauthorized
+from service.models import User
+
+log = logging.getLogger(__name__)
+
+
+def get_settings_dep(request: Request) -> Settings:
+    """The app's settings."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    """A session whose transaction the request owns: commit at the end, rollback on error.
+
+    Callbacks queued in `session.info["after_commit"]` (publishing to Celery) run only after the
+    commit succeeded, so a worker can never receive a job id whose row is not there yet.
+    """
+    session: Session = request.app.state.session_factory()
+    try:
+        yield session
+        session.commit()
+        callbacks: list[Callable[[], None]] = session.info.pop("after_commit", [])
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001
+                # The job row is committed, so the submit still succeeds: a job whose publish
+                # failed stays queued and is published again (see workers.reconciler).
+                log.exception("after-commit callback failed")
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def get_dispatcher(request: Request) -> Dispatcher:
+    """Where accepted jobs are published."""
+    dispatcher: Dispatcher = request.app.state.dispatcher
+    return dispatcher
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+# scope="function": commit (and publish) before the response is sent, so a 201 means committed.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def get_current_user(
+    session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> User:
+    """The user of the bearer token, or 401."""
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise Unauthorized()
+    user = user_for_token(session, token=credentials.credentials)
+    if user is None:
+        raise Unauthorized()
+    return user
+
+
+CurrentUser = Annotated[User, Depends(get_current_user)]
+
+
+def after_commit(session: Session, callback: Callable[[], None]) -> None:
+    """Run `callback` once this request's transaction has committed."""
+    session.info.setdefault("after_commit", []).append(callback)

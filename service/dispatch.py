@@ -1,0 +1,52 @@
+"""Publishing jobs to Celery by task name: the API never imports the worker code (nor torch)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from celery import Celery
+
+from service.config import Settings
+
+log = logging.getLogger(__name__)
+
+RUN_JOB_TASK = "dptrain.run_job"
+
+
+def celery_config(settings: Settings) -> dict[str, object]:
+    """Celery settings shared by the publisher (API) and the consumer (worker); see docs/architecture.md."""
+    return {
+        "broker_url": settings.broker_url,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "task_default_queue": settings.queue,
+        "task_ignore_result": True,
+        # A job runs for hours: acknowledge only after it ends, so a worker that dies mid-job
+        # leaves the message for another; fetch one message at a time so a busy worker does not
+        # sit on jobs another could start.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        # Redis redelivers an unacked message after the visibility timeout: it must exceed the
+        # longest job, else a healthy run is delivered again (the claim would refuse it anyway).
+        "broker_transport_options": {"visibility_timeout": 7 * 24 * 3600},
+        "broker_connection_retry_on_startup": True,
+    }
+
+
+class Dispatcher(Protocol):
+    def send(self, job_id: str) -> None: ...
+
+
+class CeleryDispatcher:
+    """Sends `dptrain.run_job(job_id)` to the configured queue."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.queue = settings.queue
+        self.app = Celery("dptrain-api")
+        self.app.conf.update(celery_config(settings))
+
+    def send(self, job_id: str) -> None:
+        """Publish one job id; ids only, never objects (Celery's own advice)."""
+        self.app.send_task(RUN_JOB_TASK, args=[job_id], queue=self.queue)

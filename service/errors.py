@@ -1,0 +1,59 @@
+"""A small error hierarchy with one handler: `{"error": <ClassName>, "detail": <message>}`."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+
+class ServiceError(Exception):
+    """Base of every error the API answers on purpose."""
+
+    status_code = 500
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers
+
+
+class NotFound(ServiceError):
+    status_code = 404
+
+
+class Conflict(ServiceError):
+    status_code = 409
+
+
+class InvalidTransition(Conflict):
+    """The job is not in a state that allows this."""
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+
+    def __init__(self, message: str = "missing or invalid bearer token") -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ServiceError):
+    status_code = 403
+
+
+def error_responses(*errors: type[ServiceError]) -> dict[int | str, dict[str, object]]:
+    """OpenAPI `responses=` entries for the errors a route may answer."""
+    from api_schemas import ErrorBody
+
+    return {e.status_code: {"model": ErrorBody, "description": e.__name__} for e in errors}
+
+
+def install_error_handler(app: FastAPI) -> None:
+    """Register the one handler that turns ServiceError into its JSON answer."""
+
+    @app.exception_handler(ServiceError)
+    async def _handle(_request: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse(
+            {"error": type(exc).__name__, "detail": exc.message},
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )

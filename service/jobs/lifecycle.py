@@ -1,0 +1,95 @@
+"""The job lifecycle in one place: the only code that writes `jobs.status`."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import insert, update
+from sqlalchemy.orm import Session
+
+from api_schemas import JobStatus
+from service.models import Job, JobTransition
+from service.models.base import utcnow
+
+# Which states a job may move to from each state. A running job returns to `queued` only to be
+# restarted (a later issue); terminal states go nowhere.
+ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED}),
+    JobStatus.RUNNING: frozenset(
+        {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.QUEUED}
+    ),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+}
+
+
+def can_transition(src: JobStatus, dst: JobStatus) -> bool:
+    """Whether a job may move from `src` to `dst`."""
+    return dst in ALLOWED[src]
+
+
+def transition(
+    session: Session,
+    *,
+    job_id: str,
+    src: JobStatus,
+    dst: JobStatus,
+    reason: str | None = None,
+    claim_token: str | None = None,
+    values: dict[str, Any] | None = None,
+) -> Job | None:
+    """Move a job from `src` to `dst` with one conditional UPDATE; None if it was not in `src`.
+
+    The WHERE clause on the current status (and, for a worker, its fencing token) makes this
+    safe against races: of two concurrent callers only one sees its row updated.
+    """
+    if not can_transition(src, dst):
+        raise ValueError(f"illegal job transition {src.value} -> {dst.value}")
+    now = utcnow()
+    fields: dict[str, Any] = {"status": dst.value, "updated_at": now, **(values or {})}
+    if dst.is_terminal():
+        fields.setdefault("finished_at", now)
+    stmt = update(Job).where(Job.id == job_id, Job.status == src.value)
+    if claim_token is not None:
+        stmt = stmt.where(Job.claim_token == claim_token)
+    job = session.execute(stmt.values(**fields).returning(Job)).scalar_one_or_none()
+    if job is None:
+        return None
+    session.execute(
+        insert(JobTransition).values(
+            job_id=job_id,
+            at=now,
+            from_status=src.value,
+            to_status=dst.value,
+            attempt=job.attempt,
+            reason=reason,
+        )
+    )
+    return job
+
+
+def record_created(session: Session, *, job: Job) -> None:
+    """The first entry of a job's timeline."""
+    session.add(
+        JobTransition(job_id=job.id, at=job.created_at, from_status=None, to_status=job.status, attempt=0)
+    )
+
+
+def claim(session: Session, *, job_id: str, worker: str) -> Job | None:
+    """Claim a queued job for a new attempt with a fresh fencing token; None if not claimable."""
+    return transition(
+        session,
+        job_id=job_id,
+        src=JobStatus.QUEUED,
+        dst=JobStatus.RUNNING,
+        reason=f"claimed by {worker}",
+        values={
+            "attempt": Job.attempt + 1,
+            "claim_token": uuid.uuid4().hex,
+            "started_at": utcnow(),
+            "worker": worker,
+            "error": None,
+        },
+    )

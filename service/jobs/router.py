@@ -1,0 +1,134 @@
+"""Thin routes of `/v1/jobs`: parse, call the service, answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse
+
+from api_schemas import (
+    CheckpointList,
+    Job,
+    JobList,
+    JobSpec,
+    JobStatus,
+    LogLine,
+    LogPage,
+    MetricSeries,
+    spec_errors,
+)
+from service.deps import CurrentUser, DispatcherDep, SessionDep, SettingsDep, after_commit
+from service.errors import NotFound, Unauthorized, error_responses
+from service.jobs import repository, service
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized))
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=Job)
+def submit_job(spec: JobSpec, session: SessionDep, user: CurrentUser, dispatcher: DispatcherDep) -> Job:
+    """Submit a job; it is queued and published to the workers once committed."""
+    errors = spec_errors(spec)
+    if errors:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
+    job = service.submit(session, user=user, spec=spec)
+    after_commit(session, lambda: dispatcher.send(job.id))
+    return service.to_schema(job, owner=user.name)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    session: SessionDep,
+    user: CurrentUser,
+    settings: SettingsDep,
+    limit: Annotated[int | None, Query(ge=1)] = None,
+    cursor: str | None = None,
+    status: JobStatus | None = None,
+) -> JobList:
+    """List jobs newest first; pass `next_cursor` back as `cursor` for the next page."""
+    size = min(limit or settings.default_page_size, settings.max_page_size)
+    try:
+        return service.list_jobs(session, user=user, limit=size, cursor=cursor, status=status)
+    except ValueError as exc:
+        raise RequestValidationError(
+            [{"type": "value_error", "loc": ("query", "cursor"), "msg": str(exc), "input": cursor}]
+        ) from exc
+
+
+@router.get("/{job_id}", response_model=Job, responses=error_responses(NotFound))
+def get_job(job_id: str, session: SessionDep, user: CurrentUser) -> Job:
+    """One job."""
+    return service.present(session, jobs=[service.get_visible(session, user=user, job_id=job_id)])[0]
+
+
+@router.post("/{job_id}/cancel", response_model=Job, responses=error_responses(NotFound))
+def cancel_job(job_id: str, session: SessionDep, user: CurrentUser) -> Job:
+    """Cancel a job: a queued one never starts, a running one is stopped by its worker."""
+    job = service.cancel(session, user=user, job_id=job_id)
+    return service.present(session, jobs=[job])[0]
+
+
+@router.get("/{job_id}/metrics", response_model=MetricSeries, responses=error_responses(NotFound))
+def get_metrics(
+    job_id: str,
+    session: SessionDep,
+    user: CurrentUser,
+    since_step: Annotated[int | None, Query(ge=-1)] = None,
+    name: Annotated[str | None, Query(description="Comma-separated metric names.")] = None,
+) -> MetricSeries:
+    """Metric series of a job, `[step, value]` per name, optionally only after `since_step`."""
+    service.get_visible(session, user=user, job_id=job_id)
+    series = repository.metric_series(
+        session, job_id=job_id, since_step=since_step, names=[n for n in (name or "").split(",") if n]
+    )
+    return MetricSeries(job_id=job_id, series=series)
+
+
+@router.get("/{job_id}/logs", response_model=LogPage, responses=error_responses(NotFound))
+def get_logs(
+    job_id: str,
+    session: SessionDep,
+    user: CurrentUser,
+    settings: SettingsDep,
+    after: Annotated[int | None, Query(ge=0, description="Cursor: the last line id already read.")] = None,
+    rank: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int | None, Query(ge=1)] = None,
+) -> LogPage:
+    """Per-rank output of a job, in order, from the cursor on."""
+    service.get_visible(session, user=user, job_id=job_id)
+    size = min(limit or 1000, 10 * settings.max_page_size)
+    rows = repository.log_lines(session, job_id=job_id, after=after, rank=rank, limit=size)
+    items = [LogLine(id=r.id, rank=r.rank, attempt=r.attempt, line=r.line) for r in rows]
+    return LogPage(items=items, next_cursor=items[-1].id if items else after)
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(NotFound))
+def list_checkpoints(job_id: str, session: SessionDep, user: CurrentUser) -> CheckpointList:
+    """Checkpoints of a job, oldest first."""
+    service.get_visible(session, user=user, job_id=job_id)
+    return CheckpointList(items=service.checkpoint_infos(repository.checkpoints(session, job_id=job_id)))
+
+
+@router.get(
+    "/{job_id}/checkpoints/{checkpoint_id}/download",
+    response_class=FileResponse,
+    responses=error_responses(NotFound),
+)
+def download_checkpoint(
+    job_id: str, checkpoint_id: int, session: SessionDep, user: CurrentUser, settings: SettingsDep
+) -> FileResponse:
+    """The checkpoint file; open it with `torch.load(f, weights_only=True)`."""
+    ckpt = service.get_checkpoint(session, user=user, job_id=job_id, checkpoint_id=checkpoint_id)
+    root = settings.artifacts.resolve()
+    path = Path(ckpt.path).resolve()
+    # Never serve a file outside the artifact root, whatever a row says.
+    if not path.is_relative_to(root) or not path.is_file():
+        raise NotFound(f"checkpoint file of {checkpoint_id} is no longer available")
+    return FileResponse(
+        path,
+        media_type="application/octet-stream",
+        filename=f"{job_id}-step{ckpt.step}.pt",
+        headers={"X-Checkpoint-SHA256": ckpt.sha256},
+    )

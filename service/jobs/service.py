@@ -1,0 +1,138 @@
+"""The rules of the jobs domain: submission, visibility, cancellation. Services only flush."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy.orm import Session
+
+from api_schemas import CheckpointInfo, Job, JobError, JobList, JobSpec, JobStatus, Progress
+from service.errors import InvalidTransition, NotFound
+from service.jobs import lifecycle, repository
+from service.models import Checkpoint, User
+from service.models import Job as JobRow
+
+
+def _visible_owner(user: User) -> int | None:
+    # Admins see every job; everyone else only their own.
+    return None if user.is_admin else user.id
+
+
+def to_schema(job: JobRow, *, owner: str) -> Job:
+    """The wire form of a job row."""
+    return Job(
+        id=job.id,
+        name=job.name,
+        status=JobStatus(job.status),
+        spec=JobSpec.model_validate(job.spec),
+        owner=owner,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        progress=Progress(step=job.step, total_steps=job.total_steps),
+        attempt=job.attempt,
+        cancel_requested=job.cancel_requested,
+        error=JobError.model_validate(job.error) if job.error else None,
+        latest_metrics=job.latest_metrics or {},
+    )
+
+
+def submit(session: Session, *, user: User, spec: JobSpec) -> JobRow:
+    """Record a new queued job (the caller publishes it once the transaction has committed)."""
+    job = JobRow(
+        id=uuid.uuid4().hex,
+        name=spec.name,
+        owner_id=user.id,
+        status=JobStatus.QUEUED.value,
+        spec=spec.model_dump(mode="json"),
+        priority=spec.priority,
+        labels=dict(spec.labels),
+        total_steps=spec.hyperparameters.steps,
+        max_restarts=spec.max_restarts,
+        latest_metrics={},
+    )
+    session.add(job)
+    session.flush()
+    lifecycle.record_created(session, job=job)
+    return job
+
+
+def get_visible(session: Session, *, user: User, job_id: str) -> JobRow:
+    """A job the user may see, or NotFound (never revealing that another's job exists)."""
+    job = repository.get(session, job_id=job_id, owner_id=_visible_owner(user))
+    if job is None:
+        raise NotFound(f"job {job_id!r} not found")
+    return job
+
+
+def present(session: Session, *, jobs: Sequence[JobRow]) -> list[Job]:
+    """Wire forms of several jobs with their owners' names in one query."""
+    names = repository.owner_names(session, owner_ids={j.owner_id for j in jobs})
+    return [to_schema(j, owner=names.get(j.owner_id, "?")) for j in jobs]
+
+
+def list_jobs(
+    session: Session, *, user: User, limit: int, cursor: str | None, status: JobStatus | None
+) -> JobList:
+    """A page of the jobs the user may see, newest first."""
+    after = repository.decode_cursor(cursor) if cursor else None
+    rows = repository.list_page(
+        session,
+        owner_id=_visible_owner(user),
+        limit=limit + 1,
+        after=after,
+        status=status.value if status else None,
+    )
+    page, more = list(rows[:limit]), len(rows) > limit
+    return JobList(
+        items=present(session, jobs=page), next_cursor=repository.encode_cursor(page[-1]) if more else None
+    )
+
+
+def cancel(session: Session, *, user: User, job_id: str) -> JobRow:
+    """Cancel a job: a queued one at once, a running one by asking its worker to stop it."""
+    job = get_visible(session, user=user, job_id=job_id)
+    status = JobStatus(job.status)
+    if status.is_terminal():
+        raise InvalidTransition(f"job {job_id!r} is already {status.value}")
+    if status is JobStatus.QUEUED:
+        done = lifecycle.transition(
+            session,
+            job_id=job_id,
+            src=JobStatus.QUEUED,
+            dst=JobStatus.CANCELLED,
+            reason=f"cancelled by {user.name}",
+        )
+        if done is not None:
+            return done
+        # A worker claimed it in between: fall through and ask that worker to stop.
+    repository.request_cancel(session, job_id=job_id)
+    session.flush()
+    session.refresh(job)
+    return job
+
+
+def checkpoint_infos(rows: Sequence[Checkpoint]) -> list[CheckpointInfo]:
+    """Wire forms of checkpoint rows."""
+    return [
+        CheckpointInfo(
+            id=c.id, step=c.step, created_at=c.created_at, size_bytes=c.size_bytes, sha256=c.sha256
+        )
+        for c in rows
+    ]
+
+
+def get_checkpoint(session: Session, *, user: User, job_id: str, checkpoint_id: int) -> Checkpoint:
+    """A checkpoint of a visible job, or NotFound."""
+    get_visible(session, user=user, job_id=job_id)
+    ckpt = repository.checkpoint(session, job_id=job_id, checkpoint_id=checkpoint_id)
+    if ckpt is None:
+        raise NotFound(f"checkpoint {checkpoint_id} of job {job_id!r} not found")
+    return ckpt
+
+
+def metric_names(query: str | None) -> list[str] | None:
+    """Parse a comma-separated `name` filter."""
+    return [n for n in query.split(",") if n] if query else None

@@ -1,0 +1,7 @@
+"""ORM models (SQLAlchemy 2, typed). Alembic migrations are the only source of the schema."""
+
+from service.models.base import Base
+from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric
+from service.models.users import ApiToken, User
+
+__all__ = ["ApiToken", "Base", "Checkpoint", "Job", "JobTransition", "LogLine", "Metric", "User"]

@@ -1,0 +1,98 @@
+"""Jobs and what their runs report: state transitions, metrics, checkpoints, log lines."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, Float, ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from service.models.base import Base, BigId, utcnow
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        # Keyset pagination, newest first, per owner and overall.
+        Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
+        Index("ix_jobs_created", "created_at", "id"),
+        Index("ix_jobs_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    # Written only by service.jobs.lifecycle.transition().
+    status: Mapped[str] = mapped_column(String(16))
+    spec: Mapped[dict[str, Any]]
+    priority: Mapped[int] = mapped_column(default=0)
+    labels: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    attempt: Mapped[int] = mapped_column(default=0)
+    max_restarts: Mapped[int] = mapped_column(default=0)
+    step: Mapped[int] = mapped_column(default=0)
+    total_steps: Mapped[int]
+    error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
+    latest_metrics: Mapped[dict[str, Any]]
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    # Fencing token of the current attempt: every write a worker makes carries it, so a stale
+    # worker (a duplicate delivery, a lost lease) can never overwrite a newer attempt's state.
+    claim_token: Mapped[str | None] = mapped_column(String(32), default=None)
+    worker: Mapped[str | None] = mapped_column(String(255), default=None)
+
+
+class JobTransition(Base):
+    """The state timeline of a job, one row per status change."""
+
+    __tablename__ = "job_transitions"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    attempt: Mapped[int]
+    reason: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_job_name_step", "job_id", "name", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int]
+    name: Mapped[str] = mapped_column(String(128))
+    step: Mapped[int] = mapped_column(BigInteger)
+    value: Mapped[float] = mapped_column(Float)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int]
+    step: Mapped[int] = mapped_column(BigInteger)
+    path: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LogLine(Base):
+    """One line of a rank's output (rank NULL: the launcher's own output)."""
+
+    __tablename__ = "log_lines"
+    __table_args__ = (Index("ix_log_lines_job_id_id", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int]
+    rank: Mapped[int | None]
+    line: Mapped[str] = mapped_column(Text)

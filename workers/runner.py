@@ -1,0 +1,269 @@
+"""One attempt of a job: claim it, launch its ranks with torchrun, report, record the end state."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobStatus
+from service.config import Settings
+from service.db import session_factory
+from service.jobs import lifecycle
+from workers.engine.launch import torchrun_command
+from workers.reporting import Reporter
+
+log = logging.getLogger(__name__)
+
+TRACEBACK_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where an attempt keeps its files: checkpoints are per job, so a restart can resume from them."""
+
+    job_dir: Path
+    attempt: int
+
+    @property
+    def run_dir(self) -> Path:
+        return self.job_dir / f"attempt-{self.attempt}"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.job_dir / "checkpoints"
+
+    @property
+    def spec_path(self) -> Path:
+        return self.run_dir / "spec.json"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.run_dir / "logs" / "launcher.log"
+
+
+def worker_name() -> str:
+    """This worker's name as recorded on the jobs it claims."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def run_attempt(*, job_id: str, settings: Settings) -> JobStatus | None:
+    """Run one attempt of `job_id` to its end; None if the job was not claimable (duplicate delivery)."""
+    sessions = session_factory(settings)
+    with sessions.begin() as session:
+        job = lifecycle.claim(session, job_id=job_id, worker=worker_name())
+        if job is None:
+            log.info("job %s is not queued; nothing to run (duplicate or cancelled)", job_id)
+            return None
+        attempt, token, spec = job.attempt, str(job.claim_token), dict(job.spec)
+    paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt)
+    try:
+        return _supervise(
+            sessions=sessions, settings=settings, job_id=job_id, token=token, spec=spec, paths=paths
+        )
+    except Exception as exc:
+        log.exception("job %s: the launcher itself failed", job_id)
+        _finish(
+            sessions,
+            job_id=job_id,
+            token=token,
+            dst=JobStatus.FAILED,
+            error={"type": "LauncherError", "message": f"{type(exc).__name__}: {exc}", "rank": None},
+        )
+        return JobStatus.FAILED
+
+
+def _supervise(
+    *,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    job_id: str,
+    token: str,
+    spec: dict[str, Any],
+    paths: RunPaths,
+) -> JobStatus:
+    for sub in ("logs", "events"):
+        (paths.run_dir / sub).mkdir(parents=True, exist_ok=True)
+    paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    paths.spec_path.write_text(json.dumps(spec, indent=2))
+    cmd = torchrun_command(
+        job_id=job_id,
+        nproc=int(spec["resources"]["processes_per_node"]),
+        spec_path=str(paths.spec_path),
+        run_dir=str(paths.run_dir),
+        checkpoint_dir=str(paths.checkpoint_dir),
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    reporter = Reporter(
+        sessions=sessions, job_id=job_id, attempt=paths.attempt, claim_token=token, run_dir=paths.run_dir
+    )
+    max_runtime = spec.get("max_runtime_seconds")
+    deadline = time.monotonic() + max_runtime if max_runtime else None
+    with paths.launcher_log.open("ab") as launcher_out:
+        # A session of its own: cancelling or cleaning up kills torchrun and every rank together.
+        proc = subprocess.Popen(
+            cmd, stdout=launcher_out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    stopped_for: str | None = None
+    try:
+        while proc.poll() is None:
+            time.sleep(settings.report_interval_seconds)
+            reporter.collect()
+            reporter.flush()
+            if stopped_for is None:
+                if reporter.state.cancel_requested:
+                    stopped_for = "cancel"
+                elif reporter.state.fenced_out:
+                    stopped_for = "fenced"
+                elif deadline is not None and time.monotonic() > deadline:
+                    stopped_for = "deadline"
+                if stopped_for is not None:
+                    log.info("job %s: stopping its ranks (%s)", job_id, stopped_for)
+                    _stop_group(proc, grace=settings.cancel_grace_seconds)
+    finally:
+        _kill_group(proc)
+        if left := sweep_ranks(job_id):
+            log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
+    reporter.collect(final=True)
+    while not reporter.flush():
+        time.sleep(min(5.0, settings.report_interval_seconds * 4))
+    return _record_outcome(
+        sessions,
+        reporter=reporter,
+        job_id=job_id,
+        token=token,
+        rc=proc.returncode,
+        stopped_for=stopped_for,
+        paths=paths,
+        max_runtime=max_runtime,
+    )
+
+
+def _record_outcome(
+    sessions: sessionmaker[Session],
+    *,
+    reporter: Reporter,
+    job_id: str,
+    token: str,
+    rc: int,
+    stopped_for: str | None,
+    paths: RunPaths,
+    max_runtime: int | None,
+) -> JobStatus:
+    if stopped_for == "fenced":
+        return JobStatus.RUNNING  # a newer attempt owns the job; record nothing
+    if stopped_for == "cancel" or (reporter.state.cancel_requested and rc != 0):
+        _finish(sessions, job_id=job_id, token=token, dst=JobStatus.CANCELLED, reason="cancel requested")
+        return JobStatus.CANCELLED
+    if stopped_for == "deadline":
+        error = {"type": "DeadlineExceeded", "message": f"deadline exceeded ({max_runtime} s)", "rank": None}
+        _finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
+        return JobStatus.FAILED
+    if rc == 0 and reporter.state.finished:
+        _finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
+        return JobStatus.SUCCEEDED
+    error = reporter.root_error() or {
+        "type": "ProcessExited",
+        "message": f"rank processes exited with code {rc}" if rc else "ranks exited without finishing",
+        "rank": None,
+        "traceback": _tail(paths.launcher_log),
+    }
+    _finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
+    return JobStatus.FAILED
+
+
+def _finish(
+    sessions: sessionmaker[Session],
+    *,
+    job_id: str,
+    token: str,
+    dst: JobStatus,
+    error: dict[str, Any] | None = None,
+    reason: str | None = None,
+) -> None:
+    """Record the end state, retrying while the database is unreachable (the outcome must not be lost)."""
+    values: dict[str, Any] = {"error": error} if error else {}
+    delay = 0.5
+    for _ in range(60):
+        try:
+            with sessions.begin() as session:
+                lifecycle.transition(
+                    session,
+                    job_id=job_id,
+                    src=JobStatus.RUNNING,
+                    dst=dst,
+                    claim_token=token,
+                    reason=reason or (error or {}).get("message"),
+                    values=values,
+                )
+            return
+        except Exception:  # noqa: BLE001
+            log.warning("job %s: recording %s failed; retrying", job_id, dst.value, exc_info=True)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+    raise RuntimeError(f"could not record the end state of job {job_id}")
+
+
+def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return None
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _stop_group(proc: subprocess.Popen[bytes], *, grace: float) -> None:
+    """SIGTERM the launcher's whole process group, then SIGKILL what is left after `grace` seconds."""
+    _signal_group(proc, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL torchrun's process group and reap torchrun."""
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        log.error("torchrun (pid %s) did not exit after SIGKILL", proc.pid)
+
+
+def rank_processes(job_id: str) -> list[psutil.Process]:
+    """Processes serving `job_id`, found by the `--job-id` on their command line."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if any(a == "--job-id" and b == job_id for a, b in zip(cmd, cmd[1:], strict=False)):
+            found.append(p)
+    return found
+
+
+def sweep_ranks(job_id: str) -> int:
+    """SIGKILL any rank of `job_id` still alive and wait for it; returns how many there were.
+
+    torchrun starts each rank in a session of its own, so killing torchrun's group does not
+    reach a rank whose torchrun died first; the job id on every rank's command line does.
+    """
+    procs = rank_processes(job_id)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+    return len(procs)
