@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from service.config import Settings, get_settings
+from service.dispatch import queue_for
 
 console = Console(stderr=True)
 
@@ -36,17 +37,26 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
 
 def worker(
     concurrency: int = typer.Option(0, help="Jobs run at once (default DPTRAIN_WORKER_CONCURRENCY)."),
+    device: str = typer.Option(
+        "auto", help="Which jobs to take: cpu, cuda, or auto (cuda if a GPU is visible)."
+    ),
 ) -> None:
-    """Run a Celery worker that trains jobs."""
+    """Run a Celery worker that trains jobs of one device kind."""
     settings = get_settings()
-    argv = _worker_argv(settings, concurrency or settings.worker_concurrency)
+    if device == "auto":
+        import torch  # only the worker needs torch, and only to look for a GPU
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
     from workers.celery_app import app as celery_app
 
-    celery_app.worker_main(argv)
+    celery_app.worker_main(_worker_argv(settings, concurrency or settings.worker_concurrency, device))
 
 
-def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
-    return ["worker", "-Q", settings.queue, "-c", str(concurrency), "--loglevel", "INFO", "-n", "dptrain@%h"]
+def _worker_argv(settings: Settings, concurrency: int, device: str) -> list[str]:
+    queue = queue_for(settings.queue, device)
+    return ["worker", "-Q", queue, "-c", str(concurrency), "--loglevel", "INFO", "-n", f"dptrain-{device}@%h"]
 
 
 def up(host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -64,7 +74,7 @@ def up(host: str = "127.0.0.1", port: int = 8000) -> None:
     get_settings.cache_clear()
     migrate()
     settings = get_settings()
-    worker_cmd = [sys.executable, "-m", "dptrain_cli.main", "worker", "--concurrency", "1"]
+    worker_cmd = [sys.executable, "-m", "dptrain_cli.main", "worker", "--concurrency", "1", "--device", "cpu"]
     worker_proc = subprocess.Popen(worker_cmd, env=os.environ.copy())
     console.print(
         f"[bold]dptrain up[/bold] on http://{host}:{port}  home={home}\n"

@@ -20,7 +20,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "broker_url": settings.broker_url,
         "task_serializer": "json",
         "accept_content": ["json"],
-        "task_default_queue": settings.queue,
+        "task_default_queue": queue_for(settings.queue, "cpu"),
         "task_ignore_result": True,
         # A job runs for hours: acknowledge only after it ends, so a worker that dies mid-job
         # leaves the message for another; fetch one message at a time so a busy worker does not
@@ -28,25 +28,37 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        # Redis redelivers an unacked message after the visibility timeout: it must exceed the
-        # longest job, else a healthy run is delivered again (the claim would refuse it anyway).
-        "broker_transport_options": {"visibility_timeout": 7 * 24 * 3600},
+        "broker_transport_options": _transport_options(settings.broker_url),
         "broker_connection_retry_on_startup": True,
     }
 
 
+def queue_for(base: str, device: str) -> str:
+    """The queue of jobs for one device kind: a CPU worker must never take a CUDA job."""
+    return f"{base}.{device}"
+
+
+def _transport_options(broker_url: str) -> dict[str, object]:
+    if broker_url.startswith(("redis://", "rediss://")):
+        # Redis redelivers an unacked message after the visibility timeout: it must exceed the
+        # longest job, else a healthy run is delivered again (the claim would refuse it anyway).
+        return {"visibility_timeout": 7 * 24 * 3600}
+    # kombu's SQLAlchemy transport hands its options to create_engine, so it gets none.
+    return {}
+
+
 class Dispatcher(Protocol):
-    def send(self, job_id: str) -> None: ...
+    def send(self, job_id: str, *, device: str) -> None: ...
 
 
 class CeleryDispatcher:
-    """Sends `dptrain.run_job(job_id)` to the configured queue."""
+    """Sends `dptrain.run_job(job_id)` to the queue of the job's device kind."""
 
     def __init__(self, settings: Settings) -> None:
         self.queue = settings.queue
         self.app = Celery("dptrain-api")
         self.app.conf.update(celery_config(settings))
 
-    def send(self, job_id: str) -> None:
+    def send(self, job_id: str, *, device: str) -> None:
         """Publish one job id; ids only, never objects (Celery's own advice)."""
-        self.app.send_task(RUN_JOB_TASK, args=[job_id], queue=self.queue)
+        self.app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue_for(self.queue, device))

@@ -34,7 +34,7 @@ def submit_job(spec: JobSpec, session: SessionDep, user: CurrentUser, dispatcher
     if errors:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
     job = service.submit(session, user=user, spec=spec)
-    after_commit(session, lambda: dispatcher.send(job.id))
+    after_commit(session, lambda: dispatcher.send(job.id, device=spec.resources.device))
     return service.to_schema(job, owner=user.name)
 
 

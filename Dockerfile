@@ -1,0 +1,14 @@
+# One image for api and workers. TORCH_INDEX picks the torch build: CPU by default,
+# e.g. --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 for GPU workers.
+FROM python:3.11-slim
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY api_schemas api_schemas
+COPY service service
+COPY workers workers
+COPY migrations migrations
+COPY dptrain_cli dptrain_cli
+RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX" .
+ENV DPTRAIN_ARTIFACT_ROOT=/artifacts
+ENTRYPOINT ["dptrain"]

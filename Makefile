@@ -1,0 +1,30 @@
+# dptrain: `make run` starts the embedded service, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: setup run test lint typecheck clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# constraints.txt pins the CPU build of torch for development and CI.
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/dptrain up --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy api_schemas service workers dptrain_cli
+
+clean:
+	rm -rf $(VENV) .dptrain .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,114 @@
+"""Every invalid spec answers 422 naming the field path and the reason; nothing is queued."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api_schemas import RECIPES, JobSpec, spec_errors
+
+VALID: dict[str, Any] = {
+    "name": "ok",
+    "recipe": "mlp",
+    "hyperparameters": {"global_batch_size": 8, "steps": 2},
+}
+
+CASES: list[tuple[str, dict[str, Any], tuple[str | int, ...], str]] = [
+    ("missing name", {"recipe": "mlp"}, ("body", "name"), "Field required"),
+    ("bad name", {**VALID, "name": "has space"}, ("body", "name"), "pattern"),
+    ("unknown top-level field", {**VALID, "gpus": 2}, ("body", "gpus"), "Extra inputs"),
+    (
+        "unknown resources field",
+        {**VALID, "resources": {"gpus": 1}},
+        ("body", "resources", "gpus"),
+        "Extra inputs",
+    ),
+    (
+        "negative lr",
+        {**VALID, "hyperparameters": {"lr": -1}},
+        ("body", "hyperparameters", "lr"),
+        "greater than 0",
+    ),
+    (
+        "zero steps",
+        {**VALID, "hyperparameters": {"steps": 0}},
+        ("body", "hyperparameters", "steps"),
+        "greater than",
+    ),
+    (
+        "momentum 1",
+        {**VALID, "hyperparameters": {"momentum": 1.0}},
+        ("body", "hyperparameters", "momentum"),
+        "less",
+    ),
+    (
+        "bad device",
+        {**VALID, "resources": {"device": "tpu"}},
+        ("body", "resources", "device"),
+        "'cpu' or 'cuda'",
+    ),
+    ("nodes > 1", {**VALID, "resources": {"nodes": 2}}, ("body", "resources", "nodes"), "less than or equal"),
+    (
+        "zero processes",
+        {**VALID, "resources": {"processes_per_node": 0}},
+        ("body", "resources", "processes_per_node"),
+        "",
+    ),
+    ("keep_last 0", {**VALID, "checkpoint": {"keep_last": 0}}, ("body", "checkpoint", "keep_last"), ""),
+    (
+        "unknown engine option",
+        {**VALID, "engine": {"turbo": True}},
+        ("body", "engine", "turbo"),
+        "Extra inputs",
+    ),
+    ("unknown recipe", {**VALID, "recipe": "gpt5"}, ("body", "recipe"), "unknown recipe 'gpt5'"),
+    ("neither recipe nor entrypoint", {"name": "x"}, ("body", "recipe"), "exactly one of"),
+    (
+        "batch not divisible by world",
+        {**VALID, "hyperparameters": {"global_batch_size": 10}, "resources": {"processes_per_node": 4}},
+        ("body", "hyperparameters", "global_batch_size"),
+        "not divisible by the world size 4",
+    ),
+    (
+        "unknown recipe extra",
+        {**VALID, "hyperparameters": {"hidden_sise": 8}},
+        ("body", "hyperparameters", "hidden_sise"),
+        "not a hyperparameter of recipe 'mlp'",
+    ),
+    (
+        "bad recipe extra",
+        {**VALID, "hyperparameters": {"hidden_size": 0}},
+        ("body", "hyperparameters", "hidden_size"),
+        "greater than or equal to 1",
+    ),
+    ("bad label key", {**VALID, "labels": {"-x": "y"}}, ("body", "labels", "-x", "[key]"), ""),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "loc", "reason"), CASES, ids=[c[0] for c in CASES])
+def test_invalid_spec_is_422_with_field_path(
+    client: TestClient, dispatcher: Any, case: str, body: dict[str, Any], loc: tuple[Any, ...], reason: str
+) -> None:
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 422, f"{case}: expected 422, got {r.status_code}: {r.text}"
+    errors = r.json()["detail"]
+    locs = [tuple(e["loc"]) for e in errors]
+    assert loc in locs, f"{case}: expected an error at {loc}, got {locs}"
+    msg = next(e["msg"] for e in errors if tuple(e["loc"]) == loc)
+    assert reason in msg, f"{case}: expected {reason!r} in the message, got {msg!r}"
+    assert dispatcher.sent == [], "a refused spec must not be published"
+    assert client.get("/v1/jobs").json()["items"] == [], "a refused spec must not be stored"
+
+
+def test_valid_spec_has_no_cross_field_errors() -> None:
+    assert spec_errors(JobSpec.model_validate(VALID)) == []
+
+
+def test_engine_registers_exactly_the_recipes_the_api_accepts() -> None:
+    from workers.engine.recipes import RECIPES as ENGINE_RECIPES
+
+    assert set(ENGINE_RECIPES) == set(RECIPES), (
+        f"api accepts {set(RECIPES)}, engine has {set(ENGINE_RECIPES)}"
+    )

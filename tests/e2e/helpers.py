@@ -1,0 +1,112 @@
+"""Real processes for end-to-end tests: start dptrain commands, wait for them, poll jobs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from api_schemas import JobStatus
+from service.jobs.lifecycle import can_transition
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any DPTRAIN_* settings, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPTRAIN_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+class Procs:
+    """Processes started by a test, each logging to a file; all stopped (with their groups) at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, args: list[str], env: Mapping[str, str], cwd: Path | None = None) -> None:
+        log = (self.log_dir / f"{name}.log").open("ab")
+        cmd = [sys.executable, "-m", "dptrain_cli.main", *args]
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd or ROOT, start_new_session=True
+        )
+        self.procs.append((name, proc))
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"----- {name} -----\n" + (self.log_dir / f"{name}.log").read_text(errors="replace")[-6000:]
+            for name, _ in self.procs
+        )
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            assert proc.poll() is None, f"{name} exited with {proc.returncode}:\n{self.logs()}"
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait(timeout=10)
+
+
+def wait_healthy(base_url: str, procs: Procs, timeout: float = 60) -> None:
+    """Wait until GET /healthz answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        try:
+            if httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"API at {base_url} not healthy after {timeout} s:\n{procs.logs()}")
+
+
+def wait_for_terminal(
+    http: httpx.Client, job_id: str, *, procs: Procs, timeout: float = 180
+) -> dict[str, Any]:
+    """Poll a job to a terminal state, asserting every change seen is a legal transition (Ray's job tests)."""
+    deadline = time.monotonic() + timeout
+    seen: list[str] = []
+    last_step = 0
+    while time.monotonic() < deadline:
+        r = http.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        job = r.json()
+        status = job["status"]
+        if seen and status != seen[-1]:
+            assert can_transition(JobStatus(seen[-1]), JobStatus(status)), f"illegal {seen[-1]} -> {status}"
+        if not seen or status != seen[-1]:
+            seen.append(status)
+        assert job["progress"]["step"] >= last_step, "progress must never go backwards within an attempt"
+        last_step = job["progress"]["step"]
+        if JobStatus(status).is_terminal():
+            return dict(job)
+        procs.check_alive()
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} not finished after {timeout} s (states {seen}):\n{procs.logs()}")

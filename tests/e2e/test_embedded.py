@@ -1,0 +1,28 @@
+"""End to end on the embedded default: `dptrain up` with SQLite and a serverless queue, no server at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.helpers import Procs, clean_env, free_port, wait_healthy
+from tests.e2e.scenario import run_mlp_scenario
+
+
+def test_dptrain_up_runs_a_job_with_no_servers(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    env = clean_env(DPTRAIN_HOME=str(home), DPTRAIN_REPORT_INTERVAL_SECONDS="0.2")
+    procs = Procs(tmp_path)
+    port = free_port()
+    procs.start("up", ["up", "--port", str(port)], env, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, procs, timeout=90)
+        token = (home / "token").read_text().strip()
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30) as http:
+            assert http.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
+            run_mlp_scenario(http, procs)
+        assert (home / "dptrain.db").is_file() and (home / "broker.db").is_file()
+    finally:
+        procs.stop()

@@ -1,0 +1,50 @@
+"""The layer rules of the design card, and the schema's single source of truth."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from alembic import command
+
+from migrations import alembic_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _imports(folder: Path) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in folder.rglob("*.py"):
+        mods: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods.add(node.module.split(".")[0])
+        found[str(path.relative_to(ROOT))] = mods
+    return found
+
+
+def test_engine_is_pure_torch_distributed() -> None:
+    forbidden = {"service", "celery", "sqlalchemy", "fastapi", "kombu", "api_schemas"}
+    bad = {f: m & forbidden for f, m in _imports(ROOT / "workers" / "engine").items() if m & forbidden}
+    assert bad == {}, f"the engine must not import {forbidden}: {bad}"
+
+
+def test_api_schemas_import_nothing_of_ours() -> None:
+    ours = {"service", "workers", "dptrain_cli", "migrations"}
+    bad = {f: m & ours for f, m in _imports(ROOT / "api_schemas").items() if m & ours}
+    assert bad == {}, bad
+
+
+def test_the_api_process_never_imports_torch() -> None:
+    code = "import sys, service.main, service.dispatch; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_models_match_the_migrations(pg_url: str) -> None:
+    # Raises if autogenerate would produce any operation: the models and migrations agree.
+    command.check(alembic_config(pg_url))

@@ -1,0 +1,147 @@
+"""The job runner on real rank processes and real PostgreSQL: claims, failures, cancel, deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobSpec, JobStatus
+from service.auth.tokens import ensure_bootstrap_admin
+from service.config import Settings
+from service.db import session_factory
+from service.jobs import service
+from service.models import Job, JobTransition
+from tests.api_fixtures import ADMIN_TOKEN
+from tests.conftest import create_database, drop_database
+from workers.runner import rank_processes, run_attempt
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    # The runner commits through its own sessions, so this module gets a database of its own.
+    url = create_database("dptrain_runner")
+    tmp = tmp_path_factory.mktemp("runner")
+    yield Settings(database_url=url, artifact_root=tmp / "artifacts", home=tmp, report_interval_seconds=0.2)
+    drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def sessions(settings: Settings) -> sessionmaker[Session]:
+    return session_factory(settings)
+
+
+def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
+    spec = {
+        "name": "runner",
+        "recipe": "mlp",
+        "hyperparameters": {"global_batch_size": 8, "steps": 4, "hidden_size": 8},
+        "resources": {"processes_per_node": 2},
+        "checkpoint": {"every_steps": 2},
+        **over,
+    }
+    with sessions.begin() as s:
+        user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        return service.submit(s, user=user, spec=JobSpec.model_validate(spec)).id
+
+
+def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[str]:
+    with sessions() as s:
+        rows = s.query(JobTransition).filter_by(job_id=job_id).order_by(JobTransition.id).all()
+        return [r.to_status for r in rows]
+
+
+def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, sessions: sessionmaker) -> None:
+    job_id = _submit(sessions)
+    results: list[JobStatus | None] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(run_attempt(job_id=job_id, settings=settings)))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert sorted(results, key=str) == sorted([JobStatus.SUCCEEDED, None], key=str), results
+    job = _job(sessions, job_id)
+    assert job.status == "succeeded" and job.attempt == 1 and job.step == 4
+    assert _timeline(sessions, job_id) == ["queued", "running", "succeeded"]
+    assert run_attempt(job_id=job_id, settings=settings) is None, "a late redelivery must not run again"
+
+
+def test_a_rank_that_raises_fails_the_job_with_its_rank_and_traceback(
+    settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = _submit(sessions)
+    monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "raise:rank=1:step=2")
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
+    job = _job(sessions, job_id)
+    assert job.status == "failed"
+    assert job.error is not None, "a failed job says why"
+    assert job.error["rank"] == 1, f"expected the failing rank 1, got {job.error}"
+    assert job.error["type"] == "RuntimeError" and "injected fault at step 2" in job.error["message"]
+    assert "injected fault" in (job.error["traceback"] or ""), job.error
+    assert rank_processes(job_id) == [], "no rank process may be left behind"
+
+
+def _run_in_thread(settings: Settings, job_id: str) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(run_attempt(job_id=job_id, settings=settings)))
+    t.start()
+    return t, out
+
+
+def _wait_step(sessions: sessionmaker[Session], job_id: str, step: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _job(sessions, job_id).step >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not reach step {step} in {timeout} s")
+
+
+def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: sessionmaker) -> None:
+    job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
+    thread, out = _run_in_thread(settings, job_id)
+    _wait_step(sessions, job_id, 2)
+    assert len(rank_processes(job_id)) >= 2, "both ranks run with the job id on their command line"
+    with sessions.begin() as s:
+        admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        service.cancel(s, user=admin, job_id=job_id)
+    thread.join(timeout=60)
+    assert out == [JobStatus.CANCELLED]
+    assert _job(sessions, job_id).status == "cancelled"
+    assert rank_processes(job_id) == []
+
+
+def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessionmaker) -> None:
+    job_id = _submit(
+        sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000}, max_runtime_seconds=2
+    )
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
+    job = _job(sessions, job_id)
+    assert job.error is not None and "deadline exceeded" in job.error["message"], job.error
+    assert rank_processes(job_id) == []
+
+
+def test_outputs_are_written_under_the_artifact_root(settings: Settings, sessions: sessionmaker) -> None:
+    job_id = _submit(sessions)
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
+    job_dir = Path(settings.artifacts) / "jobs" / job_id
+    assert sorted(p.name for p in (job_dir / "checkpoints").glob("*.pt")) == [
+        "ckpt-000000002.pt",
+        "ckpt-000000004.pt",
+    ]
+    assert (job_dir / "attempt-1" / "logs" / "rank1.log").is_file()

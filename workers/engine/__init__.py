@@ -1,0 +1,1 @@
+"""dptrain's data-parallel training engine (pure torch.distributed; launched by torchrun)."""

@@ -1,0 +1,187 @@
+"""Engine configuration: the job spec (a plain JSON dict) turned into validated dataclasses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# The hyperparameters every recipe shares; anything else in `hyperparameters` belongs to the recipe.
+BASE_HYPERPARAMETERS = frozenset({"global_batch_size", "lr", "momentum", "weight_decay", "steps", "seed"})
+
+
+def _int(section: str, name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    # JSON has no int/float split and bool is an int subclass in Python: be explicit so a
+    # `true` or `3.5` never becomes a batch size.
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ValueError(f"{section}.{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{section}.{name} must be {bounds}, got {value}")
+    return value
+
+
+def _float(section: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{section}.{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Optimisation settings shared by all recipes."""
+
+    global_batch_size: int = 64
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    steps: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        s = "hyperparameters"
+        object.__setattr__(self, "global_batch_size", _int(s, "global_batch_size", self.global_batch_size, 1))
+        object.__setattr__(self, "steps", _int(s, "steps", self.steps, 1))
+        object.__setattr__(self, "seed", _int(s, "seed", self.seed, 0, 2**63 - 1))
+        for name in ("lr", "momentum", "weight_decay"):
+            object.__setattr__(self, name, _float(s, name, getattr(self, name)))
+        if self.lr <= 0:
+            raise ValueError(f"hyperparameters.lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"hyperparameters.momentum must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ValueError(f"hyperparameters.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """Where the ranks run, as requested by the spec (torchrun's WORLD_SIZE is what actually runs)."""
+
+    nodes: int = 1
+    processes_per_node: int = 1
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nodes", _int("resources", "nodes", self.nodes, 1))
+        object.__setattr__(
+            self, "processes_per_node", _int("resources", "processes_per_node", self.processes_per_node, 1)
+        )
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"resources.device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the spec asked for."""
+        return self.nodes * self.processes_per_node
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Data-parallel engine options."""
+
+    bucket_cap_mb: float = 25.0
+    log_every_steps: int = 1
+    collective_timeout_seconds: int = 300
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_cap_mb", _float("engine", "bucket_cap_mb", self.bucket_cap_mb))
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"engine.bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        every = _int("engine", "log_every_steps", self.log_every_steps, 1)
+        object.__setattr__(self, "log_every_steps", every)
+        object.__setattr__(
+            self,
+            "collective_timeout_seconds",
+            _int("engine", "collective_timeout_seconds", self.collective_timeout_seconds, 1),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoint cadence and retention; the last step is always checkpointed."""
+
+    every_steps: int = 100
+    keep_last: int = 3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "every_steps", _int("checkpoint", "every_steps", self.every_steps, 1))
+        object.__setattr__(self, "keep_last", _int("checkpoint", "keep_last", self.keep_last, 1))
+
+
+def _section(spec: Mapping[str, Any], name: str, cls: type[Any]) -> Any:
+    raw = spec.get(name)
+    if raw is None:
+        return cls()
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{name} must be an object, got {type(raw).__name__}")
+    # Sections are strict (like the API's models) so a typo'd option never passes silently.
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} option(s): {', '.join(unknown)}")
+    return cls(**raw)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything the engine needs from a job spec."""
+
+    recipe: str
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    recipe_params: dict[str, Any] = field(default_factory=dict)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recipe, str) or not self.recipe:
+            raise ValueError(f"recipe must be a non-empty string, got {self.recipe!r}")
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> JobConfig:
+        """Convert a JobSpec JSON dict; keys the engine does not use (name, labels, ...) are ignored."""
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"spec must be a JSON object, got {type(spec).__name__}")
+        recipe = spec.get("recipe")
+        if recipe is None:
+            raise ValueError("spec has no 'recipe' (entrypoints are not supported by this engine)")
+        hp = spec.get("hyperparameters") or {}
+        if not isinstance(hp, Mapping):
+            raise ValueError(f"hyperparameters must be an object, got {type(hp).__name__}")
+        training = TrainingConfig(**{k: v for k, v in hp.items() if k in BASE_HYPERPARAMETERS})
+        extras = {k: v for k, v in hp.items() if k not in BASE_HYPERPARAMETERS}
+        return cls(
+            recipe=recipe,
+            training=training,
+            recipe_params=extras,
+            resources=_section(spec, "resources", ResourcesConfig),
+            engine=_section(spec, "engine", EngineConfig),
+            checkpoint=_section(spec, "checkpoint", CheckpointConfig),
+        )
+
+    def local_batch_size(self, world_size: int) -> int:
+        """Per-rank batch; refuses a global batch that does not split evenly (never mis-split silently)."""
+        b = self.training.global_batch_size
+        if world_size < 1 or b % world_size != 0:
+            raise ValueError(f"global_batch_size {b} is not divisible by the world size {world_size}")
+        return b // world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain (weights_only-safe) dict of the settings, stored in checkpoints for provenance."""
+        t = self.training
+        return {
+            "recipe": self.recipe,
+            "hyperparameters": {
+                "global_batch_size": t.global_batch_size,
+                "lr": t.lr,
+                "momentum": t.momentum,
+                "weight_decay": t.weight_decay,
+                "steps": t.steps,
+                "seed": t.seed,
+                **self.recipe_params,
+            },
+        }

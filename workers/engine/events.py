@@ -1,0 +1,56 @@
+"""Per-rank JSON-lines event log that the launcher tails to learn progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any, TextIO
+
+# How much of a failing rank's traceback goes into its error event.
+TRACEBACK_TAIL_LINES = 40
+
+
+def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Where rank `rank` writes its events."""
+    return Path(run_dir) / "events" / f"rank{rank}.jsonl"
+
+
+class EventWriter:
+    """Appends one JSON object per line to RUN_DIR/events/rank{RANK}.jsonl, flushed after each line."""
+
+    def __init__(self, path: str | os.PathLike[str], rank: int) -> None:
+        self.path = Path(path)
+        self.rank = rank
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Append, so a restarted attempt adds to (never truncates) what the launcher has already read.
+        self._f: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        """Write one event `{"type": ..., "time": ..., **fields}` and return it."""
+        event: dict[str, Any] = {"type": type_, "time": time.time(), **fields}
+        if self._f is not None:
+            # One write per line, then flush: a reader never sees half an event unless we die mid-write,
+            # and no fsync because the launcher reads from the same host's page cache.
+            self._f.write(json.dumps(event) + "\n")
+            self._f.flush()
+        return event
+
+    def error(self, exc: BaseException) -> dict[str, Any]:
+        """Record `exc` (type, message, traceback tail) as this rank's error event."""
+        lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
+        return self.emit(
+            "error",
+            rank=self.rank,
+            error_type=type(exc).__name__,
+            message=str(exc),
+            traceback="\n".join(lines[-TRACEBACK_TAIL_LINES:]),
+        )
+
+    def close(self) -> None:
+        """Close the file; later emits are dropped."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None

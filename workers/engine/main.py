@@ -1,0 +1,116 @@
+"""Engine entry point, one process per rank (see workers.engine.launch.torchrun_command).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m workers.engine.main \
+        --job-id JOBID --spec RUN_DIR/spec.json --run-dir RUN_DIR --checkpoint-dir CKPT_DIR
+
+Without torchrun's RANK/WORLD_SIZE it runs as a single rank with no process group (tests call it in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from workers.engine.events import EventWriter, events_path
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the engine's command line."""
+    p = argparse.ArgumentParser(prog="workers.engine.main", description=__doc__)
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--spec", required=True, type=Path, help="JobSpec as JSON")
+    p.add_argument("--run-dir", required=True, type=Path, help="events/ and logs/ go here")
+    p.add_argument("--checkpoint-dir", required=True, type=Path)
+    return p.parse_args(argv)
+
+
+def redirect_output(log_path: Path) -> Callable[[], None]:
+    """Point fds 1 and 2 (and so C/C++ output too) at `log_path`, appending; returns an undo function."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = (os.dup(1), os.dup(2))
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Line buffering, so the launcher shipping the file sees whole lines promptly, not 8 KiB blocks.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
+
+    def restore() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+    return restore
+
+
+def run(args: argparse.Namespace, events: EventWriter) -> None:
+    """Build everything from the spec and train; raises on any failure."""
+    import torch
+
+    from workers.engine import distributed as D
+    from workers.engine.checkpoint import CheckpointManager
+    from workers.engine.config import JobConfig
+    from workers.engine.faults import fault_from_env
+    from workers.engine.recipes import get_recipe
+    from workers.engine.trainer import Trainer
+
+    env = D.DistEnv.from_environ()
+    with open(args.spec, encoding="utf-8") as f:
+        cfg = JobConfig.from_spec(json.load(f))
+    cfg.local_batch_size(env.world_size)  # fail before rendezvous-heavy work on an uneven split
+    builder = get_recipe(cfg.recipe)
+    fault = fault_from_env()
+    if cfg.resources.world_size != env.world_size:
+        # Not fatal: the math is world-size independent, and elastic resume will rely on exactly that.
+        print(f"warning: spec asks for {cfg.resources.world_size} ranks, running {env.world_size}")
+    device = D.setup_device(env, cfg.resources.device)
+    backend = D.init(env, cfg.resources.device, cfg.engine.collective_timeout_seconds)
+    try:
+        print(f"job {args.job_id}: rank {env.rank}/{env.world_size} on {device} backend={backend}")
+        # Same seed on every rank; DDP then broadcasts rank 0's weights anyway, so this is belt and braces.
+        torch.manual_seed(cfg.training.seed)
+        plan = builder(cfg.recipe_params, cfg.training.seed)
+        checkpoints = CheckpointManager(
+            args.checkpoint_dir, cfg.checkpoint.keep_last, env.is_main, cfg.checkpoint.every_steps
+        )
+        Trainer(cfg, plan, env, device, events, checkpoints, fault=fault, backend=backend).train()
+        print(f"job {args.job_id}: rank {env.rank} done")
+    finally:
+        D.destroy()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run one rank: redirect its output, train, and turn any exception into an error event."""
+    args = parse_args(argv)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ["RANK"]) if launched else 0
+    # First thing: everything this rank prints (Python, C++, NCCL) lands in its own log file.
+    restore = redirect_output(args.run_dir / "logs" / f"rank{rank}.log")
+    events = EventWriter(events_path(args.run_dir, rank), rank)
+    try:
+        run(args, events)
+    except BaseException as exc:
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            events.error(exc)
+        raise
+    finally:
+        events.close()
+        # Under torchrun keep the redirect, so the uncaught traceback Python prints next lands in the
+        # rank's log; in-process callers (tests) get their own stdout/stderr back.
+        if not launched:
+            restore()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The `mlp` recipe: a small MLP classifier on synthetic data labelled by a fixed random linear teacher."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.plan import Plan
+
+# Stream id for the dataset generator, distinct from the sampler's streams (see data.py).
+_DATA_STREAM = 7
+
+
+@dataclass(frozen=True)
+class MlpConfig:
+    """Extras of the `mlp` recipe (defaults match api_schemas.recipes.MlpParams)."""
+
+    input_size: int = 32
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_classes: int = 10
+    dataset_size: int = 4096
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+                object.__setattr__(self, f.name, v)
+            lo = 2 if f.name == "num_classes" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> MlpConfig:
+        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"not a hyperparameter of recipe 'mlp': {', '.join(unknown)}")
+        return cls(**params)
+
+
+def build_model(cfg: MlpConfig) -> nn.Sequential:
+    """`num_layers` hidden Linear+ReLU layers followed by a Linear classifier head."""
+    layers: list[nn.Module] = []
+    width = cfg.input_size
+    for _ in range(cfg.num_layers):
+        layers += [nn.Linear(width, cfg.hidden_size), nn.ReLU()]
+        width = cfg.hidden_size
+    layers.append(nn.Linear(width, cfg.num_classes))
+    return nn.Sequential(*layers)
+
+
+def build_dataset(cfg: MlpConfig, seed: int) -> TensorDataset:
+    """Gaussian inputs labelled by argmax of a random linear teacher; a function of the seed alone."""
+    # A private generator keeps the data independent of the global RNG (and so of model-init order).
+    g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
+    inputs = torch.randn(cfg.dataset_size, cfg.input_size, generator=g, dtype=torch.float32)
+    teacher = torch.randn(cfg.input_size, cfg.num_classes, generator=g, dtype=torch.float32)
+    targets = (inputs @ teacher).argmax(dim=1)
+    return TensorDataset(inputs=inputs, targets=targets)
+
+
+def build(params: Mapping[str, Any], seed: int) -> Plan:
+    """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
+    cfg = MlpConfig.from_params(params)
+    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)
