@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     report_interval_seconds: float = 0.5
     cancel_grace_seconds: float = 5.0
     worker_concurrency: int = 1
+    # Republish a queued job nobody has claimed after this long (a lost publish); checked this often.
+    republish_after_seconds: float = 600.0
+    reconcile_interval_seconds: float = 60.0
 
     # API
     max_page_size: int = 200

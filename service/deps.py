@@ -41,7 +41,7 @@ def get_session(request: Request) -> Iterator[Session]:
                 callback()
             except Exception:  # noqa: BLE001
                 # The job row is committed, so the submit still succeeds: a job whose publish
-                # failed stays queued and is published again (see workers.reconciler).
+                # failed stays queued and the workers' reconciler publishes it again.
                 log.exception("after-commit callback failed")
     except BaseException:
         session.rollback()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
+from celery.signals import worker_ready, worker_shutdown
 
 from service.config import get_settings
 from service.dispatch import celery_config
@@ -17,3 +20,28 @@ app.conf.update(
     worker_pool="threads",
     worker_hijack_root_logger=False,
 )
+
+
+_reconciler: Any = None
+
+
+@worker_ready.connect
+def _start_reconciler(**_: Any) -> None:
+    global _reconciler
+    from service.db import session_factory
+    from service.dispatch import CeleryDispatcher
+    from workers.reconciler import Reconciler
+
+    _reconciler = Reconciler(
+        sessions=session_factory(settings),
+        dispatcher=CeleryDispatcher(settings),
+        after_seconds=settings.republish_after_seconds,
+        interval=settings.reconcile_interval_seconds,
+    )
+    _reconciler.start()
+
+
+@worker_shutdown.connect
+def _stop_reconciler(**_: Any) -> None:
+    if _reconciler is not None:
+        _reconciler.stopped.set()

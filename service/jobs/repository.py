@@ -12,6 +12,7 @@ from sqlalchemy import Select, and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
+from service.models.base import utcnow
 
 
 def encode_cursor(job: Job) -> str:
@@ -156,3 +157,27 @@ def delete_checkpoints(session: Session, *, job_id: str, paths: list[str]) -> No
     """Forget checkpoints whose files the engine removed (keep_last)."""
     if paths:
         session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.path.in_(paths)))
+
+
+def stale_queued(session: Session, *, older_than: datetime, limit: int) -> list[tuple[str, str]]:
+    """Take queued jobs untouched since `older_than`: bump their `updated_at` and return (id, device).
+
+    The conditional UPDATE hands each stale job to one reconciler per period even with many workers.
+    """
+    stmt = (
+        update(Job)
+        .where(
+            Job.id.in_(
+                select(Job.id)
+                .where(Job.status == "queued", Job.updated_at < older_than)
+                .order_by(Job.created_at)
+                .limit(limit)
+                .scalar_subquery()
+            ),
+            Job.status == "queued",
+            Job.updated_at < older_than,
+        )
+        .values(updated_at=utcnow())
+        .returning(Job.id, Job.spec)
+    )
+    return [(job_id, str(spec["resources"]["device"])) for job_id, spec in session.execute(stmt)]

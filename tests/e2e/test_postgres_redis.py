@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import redis
+import yaml
 
+from api_schemas import JobSpec
+from service.auth.tokens import ensure_bootstrap_admin
+from service.config import Settings
+from service.db import session_factory
+from service.jobs import service
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import REDIS_URL, create_database, drop_database
-from tests.e2e.helpers import Procs, clean_env, free_port, wait_healthy
-from tests.e2e.scenario import run_mlp_scenario
+from tests.e2e.helpers import Procs, clean_env, free_port, wait_for_terminal, wait_healthy
+from tests.e2e.scenario import SPEC, run_mlp_scenario
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Procs]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Procs, str]]:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
     except redis.RedisError as exc:
@@ -32,6 +42,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Clie
         DPTRAIN_HOME=str(tmp / "home"),
         DPTRAIN_BOOTSTRAP_TOKEN=ADMIN_TOKEN,
         DPTRAIN_REPORT_INTERVAL_SECONDS="0.2",
+        # Short, so the lost-publish test below does not wait ten minutes.
+        DPTRAIN_REPUBLISH_AFTER_SECONDS="3",
+        DPTRAIN_RECONCILE_INTERVAL_SECONDS="1",
     )
     procs = Procs(tmp)
     port = free_port()
@@ -41,13 +54,57 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Clie
     http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
     try:
         wait_healthy(base, procs)
-        yield http, procs
+        yield http, procs, db_url
     finally:
         http.close()
         procs.stop()
         drop_database(db_url)
 
 
-def test_mlp_on_two_ranks_through_redis_and_postgres(stack: tuple[httpx.Client, Procs]) -> None:
-    http, procs = stack
+def test_mlp_on_two_ranks_through_redis_and_postgres(stack: tuple[httpx.Client, Procs, str]) -> None:
+    http, procs, _ = stack
     run_mlp_scenario(http, procs)
+
+
+def test_a_job_committed_but_never_published_still_runs(stack: tuple[httpx.Client, Procs, str]) -> None:
+    """A crash between commit and publish: the row exists, no message does; the reconciler recovers it."""
+    http, procs, db_url = stack
+    spec = JobSpec.model_validate({**SPEC, "name": "never-published"})
+    with session_factory(Settings(database_url=db_url)).begin() as session:
+        admin = ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
+        job_id = service.submit(session, user=admin, spec=spec).id  # committed, not published
+    job = wait_for_terminal(http, job_id, procs=procs)
+    assert job["status"] == "succeeded" and job["attempt"] == 1, job
+
+
+def test_cli_submit_wait_exit_codes(stack: tuple[httpx.Client, Procs, str], tmp_path: Path) -> None:
+    """CI pipelines rely on the exit code: 0 succeeded, 1 failed, 2 timeout, 3 refused."""
+    http, procs, _ = stack
+    env = clean_env(DPTRAIN_API_URL=str(http.base_url), DPTRAIN_TOKEN=ADMIN_TOKEN)
+
+    def submit(spec: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / f"{spec['name']}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        cmd = [sys.executable, "-m", "dptrain_cli.main", "submit", str(path), *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+    ok = submit({**SPEC, "name": "cli-ok"}, "--wait", "--timeout", "200")
+    assert ok.returncode == 0, (
+        f"expected exit 0 for a succeeded job:\n{ok.stdout}\n{ok.stderr}\n{procs.logs()}"
+    )
+    assert "succeeded" in ok.stdout
+
+    slow = {**SPEC, "name": "cli-slow", "hyperparameters": {**SPEC["hyperparameters"], "steps": 10_000_000}}
+    timed_out = submit(slow, "--wait", "--timeout", "1")
+    assert timed_out.returncode == 2, timed_out.stderr
+    job_id = timed_out.stdout.strip().splitlines()[0]
+    assert http.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+
+    failing = {**slow, "name": "cli-fail", "max_runtime_seconds": 2}
+    failed = submit(failing, "--wait", "--timeout", "200")
+    assert failed.returncode == 1, f"expected exit 1 for a failed job:\n{failed.stdout}\n{failed.stderr}"
+    assert "deadline exceeded" in failed.stderr
+
+    refused = submit({**SPEC, "name": "cli-bad", "recipe": "nope"}, "--wait")
+    assert refused.returncode == 3 and "unknown recipe" in refused.stderr, refused.stderr
+    assert wait_for_terminal(http, job_id, procs=procs)["status"] == "cancelled"

@@ -1,0 +1,66 @@
+"""Republish queued jobs that nobody claimed: a submit whose publish failed is never lost.
+
+The API commits the job row before publishing; if the broker was down, or the API died between
+commit and publish, the row is there but no message is. Every worker runs this loop; duplicates
+are harmless because a claim is a conditional UPDATE.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.dispatch import Dispatcher
+from service.jobs import repository
+from service.models.base import utcnow
+
+log = logging.getLogger(__name__)
+
+
+def republish_stale(
+    *, sessions: sessionmaker[Session], dispatcher: Dispatcher, after_seconds: float, limit: int = 100
+) -> list[str]:
+    """Publish again every job queued and untouched for `after_seconds`; returns their ids."""
+    with sessions.begin() as session:
+        stale = repository.stale_queued(
+            session, older_than=utcnow() - timedelta(seconds=after_seconds), limit=limit
+        )
+    sent = []
+    for job_id, device in stale:
+        try:
+            dispatcher.send(job_id, device=device)
+            sent.append(job_id)
+        except Exception:  # noqa: BLE001 - the broker is still down: the next round tries again
+            log.warning("republishing job %s failed", job_id, exc_info=True)
+    if sent:
+        log.info("republished %d queued jobs nobody had claimed: %s", len(sent), sent)
+    return sent
+
+
+class Reconciler(threading.Thread):
+    """Runs republish_stale every `interval` seconds until stopped."""
+
+    def __init__(
+        self,
+        *,
+        sessions: sessionmaker[Session],
+        dispatcher: Dispatcher,
+        after_seconds: float,
+        interval: float,
+    ) -> None:
+        super().__init__(name="dptrain-reconciler", daemon=True)
+        self.sessions, self.dispatcher = sessions, dispatcher
+        self.after_seconds, self.interval = after_seconds, interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                republish_stale(
+                    sessions=self.sessions, dispatcher=self.dispatcher, after_seconds=self.after_seconds
+                )
+            except Exception:  # noqa: BLE001 - e.g. the database restarting; try again next round
+                log.warning("reconciler round failed", exc_info=True)
