@@ -18,7 +18,7 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/dptrain up --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
 
-test: setup
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import typer
@@ -81,14 +83,27 @@ def up(host: str = "127.0.0.1", port: int = 8000) -> None:
         f"token: {token_file} (the CLI reads it when DPTRAIN_TOKEN is unset)\n"
         f"database: {_redact(settings.database_url)}  broker: {_redact(settings.broker_url)}"
     )
+    threading.Thread(target=_exit_with, args=(worker_proc,), daemon=True, name="worker-watchdog").start()
     try:
         api(host=host, port=port)
     finally:
+        _stopping.set()
         worker_proc.terminate()
         try:
             worker_proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             worker_proc.kill()
+
+
+def _exit_with(worker_proc: subprocess.Popen[bytes]) -> None:
+    """If the embedded worker dies, stop the API too: a service that accepts jobs nobody runs is worse."""
+    code = worker_proc.wait()
+    if code is not None and not _stopping.is_set():
+        console.print(f"[red]the embedded worker exited with {code}; stopping[/red]")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_stopping = threading.Event()
 
 
 def _redact(url: str) -> str:

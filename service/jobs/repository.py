@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, or_, select, update
+from sqlalchemy import and_, delete, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
@@ -56,7 +56,7 @@ def list_page(
     status: str | None,
 ) -> Sequence[Job]:
     """One page of jobs, newest first, by keyset on (created_at, id)."""
-    stmt: Select[tuple[Job]] = select(Job)
+    stmt = select(Job)
     if owner_id is not None:
         stmt = stmt.where(Job.owner_id == owner_id)
     if status is not None:
@@ -65,7 +65,7 @@ def list_page(
         created, job_id = after
         stmt = stmt.where(or_(Job.created_at < created, and_(Job.created_at == created, Job.id < job_id)))
     stmt = stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
-    return session.execute(stmt).scalars().all()
+    return list(session.execute(stmt).scalars().all())
 
 
 def request_cancel(session: Session, *, job_id: str) -> None:
@@ -136,13 +136,13 @@ def cancel_requested(session: Session, *, job_id: str) -> bool:
 def add_metrics(session: Session, *, rows: list[dict[str, Any]]) -> None:
     """Insert metric points in one statement."""
     if rows:
-        session.execute(Metric.__table__.insert(), rows)
+        session.execute(insert(Metric), rows)
 
 
 def add_log_lines(session: Session, *, rows: list[dict[str, Any]]) -> None:
     """Insert log lines in one statement."""
     if rows:
-        session.execute(LogLine.__table__.insert(), rows)
+        session.execute(insert(LogLine), rows)
 
 
 def upsert_checkpoint(session: Session, *, row: dict[str, Any]) -> None:
@@ -150,7 +150,7 @@ def upsert_checkpoint(session: Session, *, row: dict[str, Any]) -> None:
     session.execute(
         delete(Checkpoint).where(Checkpoint.job_id == row["job_id"], Checkpoint.step == row["step"])
     )
-    session.execute(Checkpoint.__table__.insert(), [row])
+    session.execute(insert(Checkpoint), [row])
 
 
 def delete_checkpoints(session: Session, *, job_id: str, paths: list[str]) -> None:
