@@ -104,8 +104,9 @@ def _supervise(
         run_dir=str(paths.run_dir),
         checkpoint_dir=str(paths.checkpoint_dir),
     )
+    # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
+    # rank free to use every core.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")
     reporter = Reporter(
         sessions=sessions, job_id=job_id, attempt=paths.attempt, claim_token=token, run_dir=paths.run_dir
     )

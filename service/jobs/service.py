@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session
 
 from api_schemas import CheckpointInfo, Job, JobError, JobList, JobSpec, JobStatus, Progress
+from api_schemas.recipes import recipe_params
 from service.errors import InvalidTransition, NotFound
 from service.jobs import lifecycle, repository
 from service.models import Checkpoint, User
@@ -41,12 +42,16 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
 
 def submit(session: Session, *, user: User, spec: JobSpec) -> JobRow:
     """Record a new queued job (the caller publishes it once the transaction has committed)."""
+    stored = spec.model_dump(mode="json")
+    # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
+    # shows is exactly what ran, whatever later versions choose as defaults.
+    stored["hyperparameters"].update(recipe_params(spec))
     job = JobRow(
         id=uuid.uuid4().hex,
         name=spec.name,
         owner_id=user.id,
         status=JobStatus.QUEUED.value,
-        spec=spec.model_dump(mode="json"),
+        spec=stored,
         priority=spec.priority,
         labels=dict(spec.labels),
         total_steps=spec.hyperparameters.steps,

@@ -112,3 +112,18 @@ def test_engine_registers_exactly_the_recipes_the_api_accepts() -> None:
     assert set(ENGINE_RECIPES) == set(RECIPES), (
         f"api accepts {set(RECIPES)}, engine has {set(ENGINE_RECIPES)}"
     )
+
+
+def test_engine_recipe_defaults_equal_the_api_defaults() -> None:
+    from dataclasses import asdict
+
+    from api_schemas.recipes import MlpParams
+    from workers.engine.recipes.mlp import MlpConfig
+
+    assert asdict(MlpConfig()) == MlpParams().model_dump()
+
+
+def test_stored_spec_states_every_recipe_hyperparameter(client: TestClient) -> None:
+    job = client.post("/v1/jobs", json=VALID).json()
+    hp = job["spec"]["hyperparameters"]
+    assert {"input_size", "hidden_size", "num_layers", "num_classes", "dataset_size"} <= set(hp), hp

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 import yaml
@@ -20,55 +18,30 @@ from service.config import Settings
 from service.db import session_factory
 from service.jobs import service
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.conftest import REDIS_URL, create_database, drop_database
-from tests.e2e.helpers import Procs, clean_env, free_port, wait_for_terminal, wait_healthy
+from tests.conftest import REDIS_URL
+from tests.e2e.helpers import clean_env, wait_for_terminal
 from tests.e2e.scenario import SPEC, run_mlp_scenario
+from tests.e2e.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Procs, str]]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
     except redis.RedisError as exc:
         pytest.fail(f"Redis is required at {REDIS_URL} and could not be reached: {exc}")
-    tmp = tmp_path_factory.mktemp("stack")
-    db_url = create_database("dptrain_e2e")
-    env = clean_env(
-        DPTRAIN_DATABASE_URL=db_url,
-        DPTRAIN_BROKER_URL=REDIS_URL,
-        # A queue of this run's own, so parallel runs on one Redis never take each other's jobs.
-        DPTRAIN_QUEUE=f"dptrain-e2e-{uuid.uuid4().hex[:8]}",
-        DPTRAIN_ARTIFACT_ROOT=str(tmp / "artifacts"),
-        DPTRAIN_HOME=str(tmp / "home"),
-        DPTRAIN_BOOTSTRAP_TOKEN=ADMIN_TOKEN,
-        DPTRAIN_REPORT_INTERVAL_SECONDS="0.2",
-        # Short, so the lost-publish test below does not wait ten minutes.
-        DPTRAIN_REPUBLISH_AFTER_SECONDS="3",
-        DPTRAIN_RECONCILE_INTERVAL_SECONDS="1",
-    )
-    procs = Procs(tmp)
-    port = free_port()
-    procs.start("api", ["api", "--port", str(port)], env)
-    procs.start("worker", ["worker", "--device", "cpu"], env)
-    base = f"http://127.0.0.1:{port}"
-    http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
-    try:
-        wait_healthy(base, procs)
-        yield http, procs, db_url
-    finally:
-        http.close()
-        procs.stop()
-        drop_database(db_url)
+    with running_stack(tmp_path_factory.mktemp("stack"), broker_url=REDIS_URL) as stack:
+        yield stack
 
 
-def test_mlp_on_two_ranks_through_redis_and_postgres(stack: tuple[httpx.Client, Procs, str]) -> None:
-    http, procs, _ = stack
+def test_mlp_on_two_ranks_through_redis_and_postgres(stack: Stack) -> None:
+    http, procs = stack.http, stack.procs
     run_mlp_scenario(http, procs)
 
 
-def test_a_job_committed_but_never_published_still_runs(stack: tuple[httpx.Client, Procs, str]) -> None:
+def test_a_job_committed_but_never_published_still_runs(stack: Stack) -> None:
     """A crash between commit and publish: the row exists, no message does; the reconciler recovers it."""
-    http, procs, db_url = stack
+    http, procs, db_url = stack.http, stack.procs, stack.db_url
     spec = JobSpec.model_validate({**SPEC, "name": "never-published"})
     with session_factory(Settings(database_url=db_url)).begin() as session:
         admin = ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
@@ -77,9 +50,9 @@ def test_a_job_committed_but_never_published_still_runs(stack: tuple[httpx.Clien
     assert job["status"] == "succeeded" and job["attempt"] == 1, job
 
 
-def test_cli_submit_wait_exit_codes(stack: tuple[httpx.Client, Procs, str], tmp_path: Path) -> None:
+def test_cli_submit_wait_exit_codes(stack: Stack, tmp_path: Path) -> None:
     """CI pipelines rely on the exit code: 0 succeeded, 1 failed, 2 timeout, 3 refused."""
-    http, procs, _ = stack
+    http, procs = stack.http, stack.procs
     env = clean_env(DPTRAIN_API_URL=str(http.base_url), DPTRAIN_TOKEN=ADMIN_TOKEN)
 
     def submit(spec: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,54 @@
+"""A production-shaped stack for end-to-end tests: `dptrain api` + `dptrain worker` on PostgreSQL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.api_fixtures import ADMIN_TOKEN
+from tests.conftest import create_database, drop_database
+from tests.e2e.helpers import Procs, clean_env, free_port, wait_healthy
+
+
+@dataclass
+class Stack:
+    http: httpx.Client
+    procs: Procs
+    db_url: str
+
+
+@contextmanager
+def running_stack(tmp: Path, *, broker_url: str) -> Iterator[Stack]:
+    """Start API and one CPU worker on a fresh database and a queue of this stack's own."""
+    db_url = create_database("dptrain_e2e")
+    env = clean_env(
+        DPTRAIN_DATABASE_URL=db_url,
+        DPTRAIN_BROKER_URL=broker_url,
+        # A queue of this run's own, so parallel runs on one broker never take each other's jobs.
+        DPTRAIN_QUEUE=f"dptrain-e2e-{uuid.uuid4().hex[:8]}",
+        DPTRAIN_ARTIFACT_ROOT=str(tmp / "artifacts"),
+        DPTRAIN_HOME=str(tmp / "home"),
+        DPTRAIN_BOOTSTRAP_TOKEN=ADMIN_TOKEN,
+        DPTRAIN_REPORT_INTERVAL_SECONDS="0.2",
+        # Short, so the lost-publish test does not wait ten minutes.
+        DPTRAIN_REPUBLISH_AFTER_SECONDS="3",
+        DPTRAIN_RECONCILE_INTERVAL_SECONDS="1",
+    )
+    procs = Procs(tmp)
+    port = free_port()
+    procs.start("api", ["api", "--port", str(port)], env)
+    procs.start("worker", ["worker", "--device", "cpu"], env)
+    base = f"http://127.0.0.1:{port}"
+    http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    try:
+        wait_healthy(base, procs)
+        yield Stack(http, procs, db_url)
+    finally:
+        http.close()
+        procs.stop()
+        drop_database(db_url)
