@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,12 @@ class Reporter:
         if kind == "metrics":
             step = int(event["step"])
             values = {k: float(v) for k, v in event.get("values", {}).items()}
+            bad = [k for k, v in values.items() if not math.isfinite(v)]
+            if bad:
+                # JSON (the API, JSONB) has no NaN or infinity; a non-finite value is reported in the
+                # job's log, not stored as a point.
+                log.warning("job %s: non-finite %s at step %d not stored", self.job_id, bad, step)
+                values = {k: v for k, v in values.items() if k not in bad}
             self._metrics.extend(
                 {"job_id": self.job_id, "attempt": self.attempt, "name": k, "step": step, "value": v}
                 for k, v in values.items()

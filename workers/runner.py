@@ -27,6 +27,7 @@ from workers.reporting import Reporter
 log = logging.getLogger(__name__)
 
 TRACEBACK_TAIL_LINES = 40
+FINAL_FLUSH_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,13 @@ def _supervise(
         if left := sweep_ranks(job_id):
             log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
     reporter.collect(final=True)
+    # The last reports matter (final metrics, the last checkpoint): ride out a database restart,
+    # but not forever, so the end state still gets recorded.
+    flush_deadline = time.monotonic() + FINAL_FLUSH_SECONDS
     while not reporter.flush():
+        if time.monotonic() > flush_deadline:
+            log.error("job %s: giving up on the last reports after %d s", job_id, FINAL_FLUSH_SECONDS)
+            break
         time.sleep(min(5.0, settings.report_interval_seconds * 4))
     return _record_outcome(
         sessions,
