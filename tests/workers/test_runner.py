@@ -145,3 +145,18 @@ def test_outputs_are_written_under_the_artifact_root(settings: Settings, session
         "ckpt-000000004.pt",
     ]
     assert (job_dir / "attempt-1" / "logs" / "rank1.log").is_file()
+
+
+def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
+    settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "hang:rank=1:step=2")
+    job_id = _submit(sessions, engine={"collective_timeout_seconds": 5})
+    thread, out = _run_in_thread(settings, job_id)
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "a stuck rank must end the job, not hang it"
+    assert out == [JobStatus.FAILED]
+    error = _job(sessions, job_id).error
+    assert error is not None and error["type"] == "CollectiveTimeout", error
+    assert "collective_timeout_seconds" in error["message"]
+    assert rank_processes(job_id) == [], "the stuck rank must be killed too"

@@ -18,6 +18,19 @@ def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / "events" / f"rank{rank}.jsonl"
 
 
+def describe(exc: BaseException) -> tuple[str, str]:
+    """(type, message) for a rank's error, naming what a user can act on where we can tell."""
+    text = str(exc)
+    # Gloo and NCCL report a peer that never joined a collective as a bare "Timed out ..." error.
+    if isinstance(exc, RuntimeError) and ("Timed out" in text or "Watchdog caught collective" in text):
+        return (
+            "CollectiveTimeout",
+            "a collective timed out after engine.collective_timeout_seconds: another rank is stuck or gone "
+            f"({text.strip()[:300]})",
+        )
+    return type(exc).__name__, text
+
+
 class EventWriter:
     """Appends one JSON object per line to RUN_DIR/events/rank{RANK}.jsonl, flushed after each line."""
 
@@ -41,11 +54,12 @@ class EventWriter:
     def error(self, exc: BaseException) -> dict[str, Any]:
         """Record `exc` (type, message, traceback tail) as this rank's error event."""
         lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
+        error_type, message = describe(exc)
         return self.emit(
             "error",
             rank=self.rank,
-            error_type=type(exc).__name__,
-            message=str(exc),
+            error_type=error_type,
+            message=message,
             traceback="\n".join(lines[-TRACEBACK_TAIL_LINES:]),
         )
 

@@ -3,12 +3,14 @@
 Format: `ACTION[:rank=R][:step=S][:code=C]`, e.g. `raise:rank=1:step=3`.
   raise -> RuntimeError("injected fault at step S") at the start of step S (S = ITER before the step)
   exit  -> os._exit(C) (default 3) there instead, i.e. a crash that leaves no error event
+  hang  -> sleep forever there, i.e. a rank that never joins the next collective
 A missing rank or step matches every rank or step.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 ENV_VAR = "DPTRAIN_FAULT_INJECT"
@@ -24,14 +26,17 @@ class Fault:
     code: int = 3
 
     def __post_init__(self) -> None:
-        if self.action not in ("raise", "exit"):
-            raise ValueError(f"{ENV_VAR}: unknown action {self.action!r} (use 'raise' or 'exit')")
+        if self.action not in ("raise", "exit", "hang"):
+            raise ValueError(f"{ENV_VAR}: unknown action {self.action!r} (use 'raise', 'exit' or 'hang')")
 
     def maybe_fire(self, rank: int, step: int) -> None:
         """Fire if this fault targets (rank, step)."""
         if (self.rank is None or self.rank == rank) and (self.step is None or self.step == step):
             if self.action == "exit":
                 os._exit(self.code)
+            if self.action == "hang":
+                while True:
+                    time.sleep(3600)
             raise RuntimeError(f"injected fault at step {step}")
 
 
