@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,13 +34,36 @@ def _err(loc: tuple[str | int, ...], msg: str, value: Any) -> dict[str, Any]:
     return {"type": "value_error", "loc": loc, "msg": msg, "input": value}
 
 
-def spec_errors(spec: JobSpec) -> list[dict[str, Any]]:
-    """Errors across fields of an otherwise valid spec, each with its field path (empty if none)."""
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def entrypoint_allowed(entrypoint: str, allowed_prefixes: Sequence[str]) -> bool:
+    """Whether `package.module:function` lies under one of the allowed module prefixes."""
+    module = entrypoint.partition(":")[0]
+    return any(module == p or module.startswith(p + ".") for p in allowed_prefixes if p)
+
+
+def spec_errors(spec: JobSpec, *, allowed_entrypoints: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Errors across fields of an otherwise valid spec, each with its field path (empty if none).
+
+    `allowed_entrypoints` are the module prefixes user code may come from (DPTRAIN_ALLOWED_ENTRYPOINTS);
+    with none, no entrypoint is accepted.
+    """
     errors: list[dict[str, Any]] = []
     if (spec.recipe is None) == (spec.entrypoint is None):
         errors.append(_err(("recipe",), "exactly one of 'recipe' or 'entrypoint' must be given", spec.recipe))
     if spec.entrypoint is not None:
-        errors.append(_err(("entrypoint",), "entrypoints are not enabled on this server", spec.entrypoint))
+        if not _ENTRYPOINT.match(spec.entrypoint):
+            errors.append(_err(("entrypoint",), "expected 'package.module:function'", spec.entrypoint))
+        elif not entrypoint_allowed(spec.entrypoint, allowed_entrypoints):
+            shown = ", ".join(allowed_entrypoints) or "none"
+            errors.append(
+                _err(
+                    ("entrypoint",),
+                    f"module is not under an allowed prefix (DPTRAIN_ALLOWED_ENTRYPOINTS: {shown})",
+                    spec.entrypoint,
+                )
+            )
     if spec.recipe is not None and spec.recipe not in RECIPES:
         known = ", ".join(sorted(RECIPES))
         errors.append(_err(("recipe",), f"unknown recipe {spec.recipe!r}; known: {known}", spec.recipe))
@@ -67,7 +92,9 @@ def spec_errors(spec: JobSpec) -> list[dict[str, Any]]:
 
 
 def recipe_params(spec: JobSpec) -> dict[str, Any]:
-    """The recipe's extras with defaults filled in."""
+    """The recipe's extras with defaults filled in (an entrypoint's extras are its own business)."""
+    if spec.recipe not in RECIPES:
+        return {}
     params_model = RECIPES[spec.recipe or ""]
     extras = {k: v for k, v in (spec.hyperparameters.model_extra or {}).items()}
     return params_model.model_validate(extras).model_dump()

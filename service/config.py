@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     republish_after_seconds: float = 600.0
     reconcile_interval_seconds: float = 60.0
 
+    # Module prefixes whose `package.module:function` a job's `entrypoint` may name, comma-separated.
+    # Empty: no user code runs at all.
+    allowed_entrypoints: str = ""
+
     # API
     max_page_size: int = 200
     default_page_size: int = 50
@@ -57,6 +61,11 @@ class Settings(BaseSettings):
             self.artifact_root = home / "artifacts"
         self.artifact_root = self.artifact_root.resolve()
         return self
+
+    @property
+    def entrypoint_prefixes(self) -> list[str]:
+        """DPTRAIN_ALLOWED_ENTRYPOINTS as a list."""
+        return [p.strip() for p in self.allowed_entrypoints.split(",") if p.strip()]
 
     @property
     def is_sqlite(self) -> bool:

@@ -28,9 +28,11 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(U
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=Job)
-def submit_job(spec: JobSpec, session: SessionDep, user: CurrentUser, dispatcher: DispatcherDep) -> Job:
+def submit_job(
+    spec: JobSpec, session: SessionDep, user: CurrentUser, dispatcher: DispatcherDep, settings: SettingsDep
+) -> Job:
     """Submit a job; it is queued and published to the workers once committed."""
-    errors = spec_errors(spec)
+    errors = spec_errors(spec, allowed_entrypoints=settings.entrypoint_prefixes)
     if errors:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
     job = service.submit(session, user=user, spec=spec)

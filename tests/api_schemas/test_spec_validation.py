@@ -66,6 +66,24 @@ CASES: list[tuple[str, dict[str, Any], tuple[str | int, ...], str]] = [
     ("unknown recipe", {**VALID, "recipe": "gpt5"}, ("body", "recipe"), "unknown recipe 'gpt5'"),
     ("neither recipe nor entrypoint", {"name": "x"}, ("body", "recipe"), "exactly one of"),
     (
+        "both recipe and entrypoint",
+        {**VALID, "entrypoint": "examples.custom_plan:build"},
+        ("body", "recipe"),
+        "exactly one of",
+    ),
+    (
+        "malformed entrypoint",
+        {"name": "x", "entrypoint": "os.system"},
+        ("body", "entrypoint"),
+        "package.module",
+    ),
+    (
+        "entrypoint not under an allowed prefix",
+        {"name": "x", "entrypoint": "os:system"},
+        ("body", "entrypoint"),
+        "not under an allowed prefix (DPTRAIN_ALLOWED_ENTRYPOINTS: none)",
+    ),
+    (
         "batch not divisible by world",
         {**VALID, "hyperparameters": {"global_batch_size": 10}, "resources": {"processes_per_node": 4}},
         ("body", "hyperparameters", "global_batch_size"),
@@ -127,3 +145,13 @@ def test_stored_spec_states_every_recipe_hyperparameter(client: TestClient) -> N
     job = client.post("/v1/jobs", json=VALID).json()
     hp = job["spec"]["hyperparameters"]
     assert {"input_size", "hidden_size", "num_layers", "num_classes", "dataset_size"} <= set(hp), hp
+
+
+def test_entrypoints_run_only_under_the_allowed_prefixes(client: TestClient, settings: Any) -> None:
+    client.app.state.settings = settings.model_copy(update={"allowed_entrypoints": "examples, team_a.models"})  # type: ignore[attr-defined]
+    ok = client.post("/v1/jobs", json={"name": "u", "entrypoint": "team_a.models.resnet:plan"})
+    assert ok.status_code == 201, ok.text
+    for refused in ("team_a:plan", "team_abc.models:plan", "examplesx:plan", "os:system"):
+        r = client.post("/v1/jobs", json={"name": "u", "entrypoint": refused})
+        assert r.status_code == 422, f"{refused}: expected 422, got {r.status_code}"
+        assert "examples, team_a.models" in r.json()["detail"][0]["msg"]
