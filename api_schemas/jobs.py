@@ -66,6 +66,18 @@ class EngineOptions(Strict):
     bucket_cap_mb: float = Field(25.0, gt=0, le=1024, description="Gradient allreduce bucket size.")
     log_every_steps: int = Field(1, ge=1, le=1_000_000, description="Report metrics every N steps.")
     collective_timeout_seconds: int = Field(300, ge=5, le=86_400)
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Autocast dtype for forward and loss; parameters and optimizer stay fp32."
+    )
+    grad_accumulation_steps: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Micro-batches per optimizer step; must divide global_batch_size / world size.",
+    )
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="Clip the averaged gradient's total L2 norm to this; null for no clipping."
+    )
 
 
 class CheckpointSpec(Strict):
@@ -80,7 +92,12 @@ class JobSpec(Strict):
 
     name: Name
     recipe: str | None = Field(None, description="A built-in recipe, e.g. `mlp`.")
-    entrypoint: str | None = Field(None, description="`package.module:function` (not yet enabled).")
+    entrypoint: str | None = Field(
+        None,
+        max_length=256,
+        description="User code: `package.module:function` returning the engine's plan; only modules under "
+        "the server's DPTRAIN_ALLOWED_ENTRYPOINTS prefixes run.",
+    )
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     resources: Resources = Field(default_factory=Resources)
     engine: EngineOptions = Field(default_factory=EngineOptions)

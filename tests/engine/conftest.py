@@ -153,3 +153,14 @@ def equivalence_runs(
     for w, run in runs.items():
         assert run.returncode == 0, f"world {w}: expected torchrun to exit 0\n{run.describe()}"
     return runs
+
+
+@pytest.fixture(scope="module")
+def module_engine_runner(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., EngineRun]:
+    """Like `engine_runner`, but module-scoped so a test module can share launches between its tests."""
+    base = tmp_path_factory.mktemp("module-runs")
+
+    def _run(spec: dict[str, Any], nproc: int, **kw: Any) -> EngineRun:
+        return run_engine(base, spec, nproc, **kw)
+
+    return _run

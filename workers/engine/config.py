@@ -10,6 +10,9 @@ from typing import Any
 # The hyperparameters every recipe shares; anything else in `hyperparameters` belongs to the recipe.
 BASE_HYPERPARAMETERS = frozenset({"global_batch_size", "lr", "momentum", "weight_decay", "steps", "seed"})
 
+# Autocast compute dtypes the engine supports; params and optimizer state always stay fp32.
+PRECISIONS = ("fp32", "bf16")
+
 
 def _int(section: str, name: str, value: Any, lo: int, hi: int | None = None) -> int:
     # JSON has no int/float split and bool is an int subclass in Python: be explicit so a
@@ -86,6 +89,9 @@ class EngineConfig:
     bucket_cap_mb: float = 25.0
     log_every_steps: int = 1
     collective_timeout_seconds: int = 300
+    precision: str = "fp32"
+    grad_accumulation_steps: int = 1
+    grad_clip_norm: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_cap_mb", _float("engine", "bucket_cap_mb", self.bucket_cap_mb))
@@ -98,6 +104,20 @@ class EngineConfig:
             "collective_timeout_seconds",
             _int("engine", "collective_timeout_seconds", self.collective_timeout_seconds, 1),
         )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"engine.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+        object.__setattr__(
+            self,
+            "grad_accumulation_steps",
+            _int("engine", "grad_accumulation_steps", self.grad_accumulation_steps, 1),
+        )
+        if self.grad_clip_norm is not None:
+            clip = _float("engine", "grad_clip_norm", self.grad_clip_norm)
+            if clip <= 0:
+                raise ValueError(f"engine.grad_clip_norm must be > 0 (or null for no clipping), got {clip}")
+            object.__setattr__(self, "grad_clip_norm", clip)
 
 
 @dataclass(frozen=True)
@@ -164,11 +184,19 @@ class JobConfig:
         )
 
     def local_batch_size(self, world_size: int) -> int:
-        """Per-rank batch; refuses a global batch that does not split evenly (never mis-split silently)."""
+        """Per-rank batch; refuses a batch that does not split evenly over ranks and micro-steps."""
         b = self.training.global_batch_size
         if world_size < 1 or b % world_size != 0:
             raise ValueError(f"global_batch_size {b} is not divisible by the world size {world_size}")
-        return b // world_size
+        local, accum = b // world_size, self.engine.grad_accumulation_steps
+        # Unequal micro-batches would weight samples unequally under the 1/accum loss scaling, so the
+        # update would no longer be the local-batch mean gradient: refuse rather than mis-split silently.
+        if local % accum != 0:
+            raise ValueError(
+                f"engine.grad_accumulation_steps {accum} does not divide the local batch {local} "
+                f"(global_batch_size {b} / world size {world_size})"
+            )
+        return local
 
     def to_dict(self) -> dict[str, Any]:
         """Plain (weights_only-safe) dict of the settings, stored in checkpoints for provenance."""

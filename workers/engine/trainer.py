@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -49,6 +50,13 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
         self.iter = 0  # optimizer steps completed (Caffe2's ITER)
         self.train_model: nn.Module = self.model  # DDP wrapper once wrap() ran at world > 1
+        e = cfg.engine
+        self.accum = e.grad_accumulation_steps
+        self.clip_norm = e.grad_clip_norm
+        # Autocast only: params, grads and optimizer state stay fp32. No GradScaler: bf16 has fp32's
+        # exponent range, so gradients do not underflow the way fp16's do.
+        self.autocast_dtype = torch.bfloat16 if e.precision == "bf16" else None
+        self.grad_norm: torch.Tensor | None = None  # pre-clip total norm of the last step, if clipping
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -109,16 +117,37 @@ class Trainer:
 
     # ---- loop ----------------------------------------------------------------------------------------
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
     def _step(self, it: int) -> torch.Tensor:
         idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
         inputs, targets = self.dataset.batch(idx, self.device)
         # Per-rank MEAN loss; DDP divides the summed gradients by world size (the seeds' loss_scale =
         # 1/devices), so the update equals the one for the global-batch mean loss at any world size.
-        loss = self.loss_fn(self.train_model(inputs), targets)
-        loss.backward()  # DDP allreduces buckets in reverse order, overlapped with this backward
+        # With accumulation each equal micro-batch's mean loss is scaled by 1/accum, so the summed
+        # gradient is again the local-batch mean gradient: same math, less activation memory.
+        n = self.accum
+        ddp = self.train_model if isinstance(self.train_model, DistributedDataParallel) else None
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+            # Only the last micro-step allreduces; earlier ones just accumulate into the local grads.
+            sync = ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext()
+            with sync:
+                with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
+                    loss = self.loss_fn(self.train_model(x), y)
+                # DDP allreduces buckets in reverse order, overlapped with the last backward.
+                (loss / n if n > 1 else loss).backward()
+            loss_sum += loss.detach().float()
+        if self.clip_norm is not None:
+            # On the synchronised, rank-averaged gradient, so every rank clips identically.
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        # Equal micro-batches: the mean of their means is the local-batch mean loss.
+        return loss_sum / n
 
     def train(self) -> None:
         """Resume, sync ranks (FinalizeAfterCheckpoint), then step to `steps`, logging and checkpointing."""
@@ -151,16 +180,16 @@ class Trainer:
                 global_loss = float(D.mean_across_ranks(self.env, loss).item())
                 elapsed = time.perf_counter() - window_start
                 if main:
-                    self.events.emit(
-                        "metrics",
-                        step=self.iter,
-                        values={
-                            "loss": global_loss,
-                            "lr": float(self.optimizer.param_groups[0]["lr"]),
-                            "samples_per_s": self.cfg.training.global_batch_size * window_steps / elapsed,
-                            "step_time_s": elapsed / window_steps,
-                        },
-                    )
+                    values = {
+                        "loss": global_loss,
+                        "lr": float(self.optimizer.param_groups[0]["lr"]),
+                        "samples_per_s": self.cfg.training.global_batch_size * window_steps / elapsed,
+                        "step_time_s": elapsed / window_steps,
+                    }
+                    if self.grad_norm is not None:
+                        # Already identical on every rank (computed from averaged grads): no collective.
+                        values["grad_norm"] = float(self.grad_norm.item())
+                    self.events.emit("metrics", step=self.iter, values=values)
                 window_start, window_steps = time.perf_counter(), 0
             if main and self.checkpoints.should_save(self.iter, last):
                 self._save(last)
