@@ -87,6 +87,8 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         after = collectives.all_reduce(torch.ones(2), "sum")  # the group still works afterwards
         results["after_error_ok"] = bool(torch.equal(after, torch.full((2,), float(world_size))))
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        # Nobody tears the group down while a peer may still be finishing the last ring exchange.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
