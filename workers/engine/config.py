@@ -150,7 +150,9 @@ def _section(spec: Mapping[str, Any], name: str, cls: type[Any]) -> Any:
 class JobConfig:
     """Everything the engine needs from a job spec."""
 
-    recipe: str
+    recipe: str | None = None
+    # User code, `package.module:function` (checked against DPTRAIN_ALLOWED_ENTRYPOINTS when loaded).
+    entrypoint: str | None = None
     training: TrainingConfig = field(default_factory=TrainingConfig)
     recipe_params: dict[str, Any] = field(default_factory=dict)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -158,24 +160,26 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.recipe, str) or not self.recipe:
-            raise ValueError(f"recipe must be a non-empty string, got {self.recipe!r}")
+        if (self.recipe is None) == (self.entrypoint is None):
+            raise ValueError("exactly one of 'recipe' or 'entrypoint' must be given")
+        for name in ("recipe", "entrypoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> JobConfig:
         """Convert a JobSpec JSON dict; keys the engine does not use (name, labels, ...) are ignored."""
         if not isinstance(spec, Mapping):
             raise ValueError(f"spec must be a JSON object, got {type(spec).__name__}")
-        recipe = spec.get("recipe")
-        if recipe is None:
-            raise ValueError("spec has no 'recipe' (entrypoints are not supported by this engine)")
         hp = spec.get("hyperparameters") or {}
         if not isinstance(hp, Mapping):
             raise ValueError(f"hyperparameters must be an object, got {type(hp).__name__}")
         training = TrainingConfig(**{k: v for k, v in hp.items() if k in BASE_HYPERPARAMETERS})
         extras = {k: v for k, v in hp.items() if k not in BASE_HYPERPARAMETERS}
         return cls(
-            recipe=recipe,
+            recipe=spec.get("recipe"),
+            entrypoint=spec.get("entrypoint"),
             training=training,
             recipe_params=extras,
             resources=_section(spec, "resources", ResourcesConfig),
@@ -203,6 +207,7 @@ class JobConfig:
         t = self.training
         return {
             "recipe": self.recipe,
+            "entrypoint": self.entrypoint,
             "hyperparameters": {
                 "global_batch_size": t.global_batch_size,
                 "lr": t.lr,

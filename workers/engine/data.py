@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 _MASK64 = (1 << 64) - 1
 
@@ -91,3 +93,18 @@ class GlobalBatchSampler:
             )
         local = self.global_batch_size // world_size
         return self.global_indices(it)[rank * local : (rank + 1) * local]
+
+
+class MapDataset:
+    """Adapts a map-style dataset of `(input, target)` items to the engine's `batch(indices, device)`."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, indices: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collate the items at `indices` with torch's default_collate and move them to `device`."""
+        inputs, targets = default_collate([self.dataset[int(i)] for i in indices])
+        return inputs.to(device), targets.to(device)

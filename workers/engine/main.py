@@ -62,14 +62,14 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     from workers.engine.checkpoint import CheckpointManager
     from workers.engine.config import JobConfig
     from workers.engine.faults import fault_from_env
-    from workers.engine.recipes import get_recipe
+    from workers.engine.recipes import get_builder
     from workers.engine.trainer import Trainer
 
     env = D.DistEnv.from_environ()
     with open(args.spec, encoding="utf-8") as f:
         cfg = JobConfig.from_spec(json.load(f))
     cfg.local_batch_size(env.world_size)  # fail before rendezvous-heavy work on an uneven split
-    builder = get_recipe(cfg.recipe)
+    builder = get_builder(cfg.recipe, cfg.entrypoint)
     fault = fault_from_env()
     if cfg.resources.world_size != env.world_size:
         # Not fatal: the math is world-size independent, and elastic resume will rely on exactly that.
@@ -80,7 +80,10 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         print(f"job {args.job_id}: rank {env.rank}/{env.world_size} on {device} backend={backend}")
         # Same seed on every rank; DDP then broadcasts rank 0's weights anyway, so this is belt and braces.
         torch.manual_seed(cfg.training.seed)
-        plan = builder(cfg.recipe_params, cfg.training.seed)
+        # A built-in recipe gets its extras; user code gets every hyperparameter (it may want lr for
+        # its own optimizer).
+        params = cfg.recipe_params if cfg.recipe else cfg.to_dict()["hyperparameters"]
+        plan = builder(params, cfg.training.seed)
         checkpoints = CheckpointManager(
             args.checkpoint_dir, cfg.checkpoint.keep_last, env.is_main, cfg.checkpoint.every_steps
         )

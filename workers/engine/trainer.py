@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from workers.engine import distributed as D
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.config import JobConfig
-from workers.engine.data import GlobalBatchSampler
+from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.recipes import Plan
@@ -39,14 +39,20 @@ class Trainer:
         self.events, self.checkpoints, self.fault, self.backend = events, checkpoints, fault, backend
         self.local_batch_size = cfg.local_batch_size(env.world_size)  # refuses an uneven split
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
-        self.dataset = plan.dataset
+        self.dataset = plan.dataset if hasattr(plan.dataset, "batch") else MapDataset(plan.dataset)
         self.loss_fn = plan.loss_fn
+        self.non_data_parallel = list(plan.non_data_parallel)
         t = cfg.training
         # Weight decay lives in the optimizer, applied to the already rank-averaged gradient, so it is
         # the same at any world size (the Caffe2 "scale the loss, not the LR" lesson).
-        self.optimizer = torch.optim.SGD(
-            self.model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+        self.optimizer = (
+            plan.optimizer(self.model.parameters())
+            if plan.optimizer is not None
+            else torch.optim.SGD(
+                self.model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
+            )
         )
+        self.scheduler = plan.lr_scheduler(self.optimizer) if plan.lr_scheduler is not None else None
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
         self.iter = 0  # optimizer steps completed (Caffe2's ITER)
         self.train_model: nn.Module = self.model  # DDP wrapper once wrap() ran at world > 1
@@ -69,6 +75,7 @@ class Trainer:
             "format": CHECKPOINT_FORMAT,
             "model": self.model.state_dict(),  # bare module: no "module." prefixes
             "optimizer": self.optimizer.state_dict(),
+            **({"lr_scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}),
             "iter": self.iter,
             "world_size": self.env.world_size,
             "rng": rng,
@@ -79,6 +86,8 @@ class Trainer:
         """Restore model, optimizer, ITER and RNG state from `state_dict()` output."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "lr_scheduler" in state:
+            self.scheduler.load_state_dict(state["lr_scheduler"])
         self.iter = int(state["iter"])
         rng = state.get("rng", {})
         if "cpu" in rng:
@@ -107,6 +116,12 @@ class Trainer:
         if self.env.world_size == 1:
             # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
             return
+        if self.non_data_parallel:
+            # DDP's own mechanism: these names are neither broadcast from rank 0 nor allreduced, so
+            # each rank keeps its own (Caffe2's non-data-parallel params).
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, self.non_data_parallel
+            )
         self.train_model = DistributedDataParallel(
             self.model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -144,10 +159,16 @@ class Trainer:
         if self.clip_norm is not None:
             # On the synchronised, rank-averaged gradient, so every rank clips identically.
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        local_loss = loss_sum / n
+        if not bool(torch.isfinite(local_loss)):
+            # Stop before the update spreads NaN into the weights; the rank is named in the error event.
+            raise FloatingPointError(f"non-finite loss at step {it + 1} on rank {self.env.rank}")
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Equal micro-batches: the mean of their means is the local-batch mean loss.
-        return loss_sum / n
+        return local_loss
 
     def train(self) -> None:
         """Resume, sync ranks (FinalizeAfterCheckpoint), then step to `steps`, logging and checkpointing."""

@@ -1,0 +1,1 @@
+"""Examples of dptrain user code (importable as `examples.*` when the repository is on PYTHONPATH)."""
