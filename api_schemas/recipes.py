@@ -25,7 +25,11 @@ class MlpParams(BaseModel):
 
 # Recipe name -> model of its hyperparameter extras. The engine registers the same names
 # (a test keeps the two in step).
-RECIPES: dict[str, type[BaseModel]] = {"mlp": MlpParams}
+RECIPES: dict[str, type[BaseModel]] = {
+    "mlp": MlpParams,
+    # <lstm_lm entry>
+    # <cnn_bn entry>
+}
 
 _BASE_HYPERPARAMETERS = {"global_batch_size", "lr", "momentum", "weight_decay", "steps", "seed"}
 

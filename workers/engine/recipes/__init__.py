@@ -12,7 +12,11 @@ from workers.engine.recipes.plan import Plan
 
 RecipeBuilder = Callable[[Mapping[str, Any], int], Plan]
 
-RECIPES: dict[str, RecipeBuilder] = {"mlp": mlp.build}
+RECIPES: dict[str, RecipeBuilder] = {
+    "mlp": mlp.build,
+    # <lstm_lm entry>
+    # <cnn_bn entry>
+}
 
 __all__ = ["RECIPES", "Plan", "RecipeBuilder", "get_builder", "get_recipe", "load_entrypoint"]
 
