@@ -78,6 +78,15 @@ class EngineOptions(Strict):
     grad_clip_norm: float | None = Field(
         None, gt=0, description="Clip the averaged gradient's total L2 norm to this; null for no clipping."
     )
+    buffers: Literal["broadcast", "average"] = Field(
+        "average",
+        description="Keep buffers (BatchNorm running stats) in step across ranks: `average` them after every "
+        "step (uses every rank's data) or `broadcast` rank 0's at every forward.",
+    )
+    sync_batchnorm: bool = Field(
+        False,
+        description="BatchNorm over the whole global batch (SyncBatchNorm) instead of each rank's shard.",
+    )
 
 
 class CheckpointSpec(Strict):

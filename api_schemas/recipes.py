@@ -23,12 +23,36 @@ class MlpParams(BaseModel):
     dataset_size: int = Field(4096, ge=1, le=100_000_000)
 
 
+class CnnBnParams(BaseModel):
+    """Extras of the `cnn_bn` recipe (a small conv net with BatchNorm on deterministic synthetic images)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_size: int = Field(8, ge=4, le=1024)
+    channels: int = Field(3, ge=1, le=64)
+    num_classes: int = Field(10, ge=2, le=100_000)
+    dataset_size: int = Field(1024, ge=1, le=100_000_000)
+
+
+class LstmLmParams(BaseModel):
+    """Extras of the `lstm_lm` recipe (an LSTM language model on a deterministic synthetic Markov chain)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(64, ge=2, le=1_000_000)
+    embed_size: int = Field(32, ge=1, le=65_536)
+    hidden_size: int = Field(64, ge=1, le=65_536)
+    num_layers: int = Field(1, ge=1, le=64)
+    seq_len: int = Field(16, ge=1, le=65_536)
+    dataset_size: int = Field(1024, ge=1, le=100_000_000)
+
+
 # Recipe name -> model of its hyperparameter extras. The engine registers the same names
 # (a test keeps the two in step).
 RECIPES: dict[str, type[BaseModel]] = {
     "mlp": MlpParams,
-    # <lstm_lm entry>
-    # <cnn_bn entry>
+    "lstm_lm": LstmLmParams,
+    "cnn_bn": CnnBnParams,
 }
 
 _BASE_HYPERPARAMETERS = {"global_batch_size", "lr", "momentum", "weight_decay", "steps", "seed"}

@@ -13,6 +13,9 @@ BASE_HYPERPARAMETERS = frozenset({"global_batch_size", "lr", "momentum", "weight
 # Autocast compute dtypes the engine supports; params and optimizer state always stay fp32.
 PRECISIONS = ("fp32", "bf16")
 
+# How BatchNorm-style buffers (running stats) stay consistent across ranks; see EngineConfig.buffers.
+BUFFER_MODES = ("broadcast", "average")
+
 
 def _int(section: str, name: str, value: Any, lo: int, hi: int | None = None) -> int:
     # JSON has no int/float split and bool is an int subclass in Python: be explicit so a
@@ -92,6 +95,13 @@ class EngineConfig:
     precision: str = "fp32"
     grad_accumulation_steps: int = 1
     grad_clip_norm: float | None = None
+    # "average" by default: each rank's running stats see only its own shard, so averaging them after every
+    # step uses all ranks' data, while "broadcast" (DDP's broadcast_buffers, Caffe2's
+    # broadcast_computed_params) keeps rank 0's and throws the other world-1 ranks' stats away.
+    buffers: str = "average"
+    # Normalise with whole-global-batch statistics (MXNet's SyncBN) so that BatchNorm, too, computes the
+    # same thing at any world size; costs collectives inside every BatchNorm forward and backward.
+    sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_cap_mb", _float("engine", "bucket_cap_mb", self.bucket_cap_mb))
@@ -118,6 +128,10 @@ class EngineConfig:
             if clip <= 0:
                 raise ValueError(f"engine.grad_clip_norm must be > 0 (or null for no clipping), got {clip}")
             object.__setattr__(self, "grad_clip_norm", clip)
+        if self.buffers not in BUFFER_MODES:
+            raise ValueError(f"engine.buffers must be one of {', '.join(BUFFER_MODES)}, got {self.buffers!r}")
+        if not isinstance(self.sync_batchnorm, bool):
+            raise ValueError(f"engine.sync_batchnorm must be true or false, got {self.sync_batchnorm!r}")
 
 
 @dataclass(frozen=True)

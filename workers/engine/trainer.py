@@ -7,10 +7,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.engine import distributed as D
+from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.config import JobConfig
 from workers.engine.data import GlobalBatchSampler, MapDataset
@@ -63,6 +65,7 @@ class Trainer:
         # exponent range, so gradients do not underflow the way fp16's do.
         self.autocast_dtype = torch.bfloat16 if e.precision == "bf16" else None
         self.grad_norm: torch.Tensor | None = None  # pre-clip total norm of the last step, if clipping
+        self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -122,13 +125,40 @@ class Trainer:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 self.model, self.non_data_parallel
             )
+        e = self.cfg.engine
+        if e.sync_batchnorm:
+            # After resume (a plain BatchNorm state_dict loads either way) and before DDP sees the modules.
+            self.model = convert_sync_batchnorm(self.model, self.device)
+        if e.buffers == "average":
+            # Floating-point buffers only (BatchNorm running_mean/var): integer ones such as
+            # num_batches_tracked advance identically on every rank, and a mean of ints would truncate.
+            skip = set(self.non_data_parallel)
+            self.averaged_buffers = [
+                b for n, b in self.model.named_buffers() if b.is_floating_point() and n not in skip
+            ]
         self.train_model = DistributedDataParallel(
             self.model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            bucket_cap_mb=self.cfg.engine.bucket_cap_mb,
+            bucket_cap_mb=e.bucket_cap_mb,
             # Grads alias the allreduce buckets: one copy fewer per step and less memory.
             gradient_as_bucket_view=True,
+            # "broadcast" is Caffe2's broadcast_computed_params: rank 0's buffers overwrite the others'
+            # before every forward. "average" keeps each rank's own and averages them after the step.
+            # Either way DDP broadcasts rank 0's buffers once at construction.
+            forward_sync_buffers=e.buffers == "broadcast",
         )
+
+    def _average_buffers(self) -> None:
+        """Replace every rank's floating-point buffers by their mean over ranks (one coalesced allreduce)."""
+        if not self.averaged_buffers:
+            return  # no BatchNorm: no extra collective on the hot path
+        flat = torch.cat([b.detach().reshape(-1).double() for b in self.averaged_buffers])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.env.world_size
+        offset = 0
+        for b in self.averaged_buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
 
     # ---- loop ----------------------------------------------------------------------------------------
 
@@ -167,6 +197,7 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._average_buffers()
         # Equal micro-batches: the mean of their means is the local-batch mean loss.
         return local_loss
 

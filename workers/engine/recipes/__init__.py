@@ -7,15 +7,15 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from workers.engine.recipes import mlp
+from workers.engine.recipes import cnn_bn, lstm_lm, mlp
 from workers.engine.recipes.plan import Plan
 
 RecipeBuilder = Callable[[Mapping[str, Any], int], Plan]
 
 RECIPES: dict[str, RecipeBuilder] = {
     "mlp": mlp.build,
-    # <lstm_lm entry>
-    # <cnn_bn entry>
+    "lstm_lm": lstm_lm.build,
+    "cnn_bn": cnn_bn.build,
 }
 
 __all__ = ["RECIPES", "Plan", "RecipeBuilder", "get_builder", "get_recipe", "load_entrypoint"]

@@ -1,0 +1,84 @@
+"""The `cnn_bn` recipe: a small conv net with BatchNorm on synthetic images labelled by a random teacher."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.plan import Plan
+
+# Stream id for the dataset generator, distinct from mlp's and the sampler's streams (see data.py).
+_DATA_STREAM = 11
+
+# Lower bounds per extra (api_schemas.recipes.CnnBnParams has the same).
+_MINIMUMS = {"image_size": 4, "channels": 1, "num_classes": 2, "dataset_size": 1}
+
+
+@dataclass(frozen=True)
+class CnnBnConfig:
+    """Extras of the `cnn_bn` recipe (defaults match api_schemas.recipes.CnnBnParams)."""
+
+    image_size: int = 8
+    channels: int = 3
+    num_classes: int = 10
+    dataset_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+                object.__setattr__(self, f.name, v)
+            lo = _MINIMUMS[f.name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> CnnBnConfig:
+        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"not a hyperparameter of recipe 'cnn_bn': {', '.join(unknown)}")
+        return cls(**params)
+
+
+def build_model(cfg: CnnBnConfig) -> nn.Sequential:
+    """Conv-BN-ReLU twice, global average pool, Linear head; the BatchNorms are what this recipe exercises."""
+    return nn.Sequential(
+        # No conv bias: the following BatchNorm subtracts the mean and would cancel it.
+        nn.Conv2d(cfg.channels, 8, kernel_size=3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, kernel_size=3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, cfg.num_classes),
+    )
+
+
+def build_dataset(cfg: CnnBnConfig, seed: int) -> TensorDataset:
+    """Gaussian images labelled by argmax of a random linear teacher; a function of the seed alone."""
+    # A private generator keeps the data independent of the global RNG (and so of model-init order).
+    g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
+    shape = (cfg.dataset_size, cfg.channels, cfg.image_size, cfg.image_size)
+    # A non-zero mean and scale per channel give the BatchNorm running stats something to track.
+    offset = torch.randn(1, cfg.channels, 1, 1, generator=g) * 2
+    scale = torch.rand(1, cfg.channels, 1, 1, generator=g) + 0.5
+    images = torch.randn(shape, generator=g, dtype=torch.float32)
+    teacher = torch.randn(cfg.channels * cfg.image_size**2, cfg.num_classes, generator=g, dtype=torch.float32)
+    targets = (images.flatten(1) @ teacher).argmax(dim=1)
+    return TensorDataset(inputs=images * scale + offset, targets=targets)
+
+
+def build(params: Mapping[str, Any], seed: int) -> Plan:
+    """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
+    cfg = CnnBnConfig.from_params(params)
+    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)

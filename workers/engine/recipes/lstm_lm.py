@@ -1,0 +1,101 @@
+"""The `lstm_lm` recipe: an LSTM language model on token sequences from a fixed random Markov chain.
+
+The data-parallel LSTM of the seeds (Caffe2's data_parallel_model test): the same model trained at
+1, 2 or 4 ranks on the same global batches must end at the same parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.plan import Plan
+
+# Stream id for the dataset generator, distinct from mlp's (7) and from the sampler's streams (data.py).
+_DATA_STREAM = 11
+
+# Lower bounds of the extras (vocab_size >= 2 so there is something to predict).
+_MINIMUM = {"vocab_size": 2}
+
+
+@dataclass(frozen=True)
+class LstmLmConfig:
+    """Extras of the `lstm_lm` recipe (defaults match api_schemas.recipes.LstmLmParams)."""
+
+    vocab_size: int = 64
+    embed_size: int = 32
+    hidden_size: int = 64
+    num_layers: int = 1
+    seq_len: int = 16
+    dataset_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+                object.__setattr__(self, f.name, v)
+            lo = _MINIMUM.get(f.name, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> LstmLmConfig:
+        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"not a hyperparameter of recipe 'lstm_lm': {', '.join(unknown)}")
+        return cls(**params)
+
+
+class LstmLm(nn.Module):
+    """Embedding -> LSTM (batch_first) -> Linear head; maps tokens [B, T] to logits [B, T, vocab]."""
+
+    def __init__(self, cfg: LstmLmConfig) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.embed_size)
+        self.lstm = nn.LSTM(cfg.embed_size, cfg.hidden_size, cfg.num_layers, batch_first=True)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embedding(tokens))
+        return self.head(hidden)  # type: ignore[no-any-return]
+
+
+def build_model(cfg: LstmLmConfig) -> LstmLm:
+    return LstmLm(cfg)
+
+
+def build_dataset(cfg: LstmLmConfig, seed: int) -> TensorDataset:
+    """Sequences of a fixed random (peaked) Markov chain; a function of the seed alone.
+
+    Each sample is `seq_len + 1` tokens; the input is the first `seq_len`, the target the last
+    `seq_len` (the next token at every position).
+    """
+    # A private generator keeps the data independent of the global RNG (and so of model-init order).
+    g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
+    n, t, v = cfg.dataset_size, cfg.seq_len, cfg.vocab_size
+    # Peaked transition table (scaled logits) so the next token is learnably predictable.
+    transition = torch.softmax(3.0 * torch.randn(v, v, generator=g, dtype=torch.float64), dim=1)
+    tokens = torch.empty(n, t + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, v, (n,), generator=g)
+    for pos in range(1, t + 1):
+        tokens[:, pos] = torch.multinomial(transition[tokens[:, pos - 1]], 1, generator=g).squeeze(1)
+    return TensorDataset(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous())
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over every (batch, time) position of the local batch."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(params: Mapping[str, Any], seed: int) -> Plan:
+    """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
+    cfg = LstmLmConfig.from_params(params)
+    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=lm_loss)
