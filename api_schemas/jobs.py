@@ -87,6 +87,23 @@ class EngineOptions(Strict):
         False,
         description="BatchNorm over the whole global batch (SyncBatchNorm) instead of each rank's shard.",
     )
+    mode: Literal["allreduce", "local_sgd"] = Field(
+        "allreduce",
+        description="`allreduce` averages gradients every step; `local_sgd` lets each rank step on its own "
+        "gradient and averages parameters every `local_sgd_period` steps (after the warm-up).",
+    )
+    local_sgd_period: int = Field(4, ge=1, le=1_000_000, description="LocalSGD: steps between averagings.")
+    local_sgd_warmup_steps: int = Field(
+        0, ge=0, le=100_000_000, description="LocalSGD: ordinary allreduce steps before local steps begin."
+    )
+    sparse: Literal["allgather", "dense"] = Field(
+        "allgather",
+        description="Sparse gradients (embeddings): all-gather each rank's touched rows, or densify and "
+        "allreduce.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute activations in backward instead of storing them: less memory."
+    )
 
 
 class CheckpointSpec(Strict):

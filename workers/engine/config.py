@@ -16,6 +16,12 @@ PRECISIONS = ("fp32", "bf16")
 # How BatchNorm-style buffers (running stats) stay consistent across ranks; see EngineConfig.buffers.
 BUFFER_MODES = ("broadcast", "average")
 
+# How replicas stay in step: gradient allreduce every step, or LocalSGD's periodic parameter averaging.
+MODES = ("allreduce", "local_sgd")
+
+# How sparse gradients (nn.Embedding(sparse=True)) are synchronised; see EngineConfig.sparse.
+SPARSE_MODES = ("allgather", "dense")
+
 
 def _int(section: str, name: str, value: Any, lo: int, hi: int | None = None) -> int:
     # JSON has no int/float split and bool is an int subclass in Python: be explicit so a
@@ -102,6 +108,16 @@ class EngineConfig:
     # Normalise with whole-global-batch statistics (MXNet's SyncBN) so that BatchNorm, too, computes the
     # same thing at any world size; costs collectives inside every BatchNorm forward and backward.
     sync_batchnorm: bool = False
+    # "local_sgd" (Paddle's LocalSGD, Caffe2's BMUF): after `local_sgd_warmup_steps` ordinary allreduce steps,
+    # each rank steps on its own gradient and parameters are averaged every `local_sgd_period` steps.
+    mode: str = "allreduce"
+    local_sgd_period: int = 4
+    local_sgd_warmup_steps: int = 0
+    # Sparse gradients: "allgather" every rank's (indices, values) (works on Gloo and NCCL, sends only the
+    # touched rows) or "dense" (densify and allreduce like any other gradient).
+    sparse: str = "allgather"
+    # Recompute activations in backward instead of keeping them (Caffe2's memonger): less memory, more work.
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_cap_mb", _float("engine", "bucket_cap_mb", self.bucket_cap_mb))
@@ -130,8 +146,21 @@ class EngineConfig:
             object.__setattr__(self, "grad_clip_norm", clip)
         if self.buffers not in BUFFER_MODES:
             raise ValueError(f"engine.buffers must be one of {', '.join(BUFFER_MODES)}, got {self.buffers!r}")
-        if not isinstance(self.sync_batchnorm, bool):
-            raise ValueError(f"engine.sync_batchnorm must be true or false, got {self.sync_batchnorm!r}")
+        for flag in ("sync_batchnorm", "activation_checkpointing"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"engine.{flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"engine.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.sparse not in SPARSE_MODES:
+            raise ValueError(f"engine.sparse must be one of {', '.join(SPARSE_MODES)}, got {self.sparse!r}")
+        object.__setattr__(
+            self, "local_sgd_period", _int("engine", "local_sgd_period", self.local_sgd_period, 1)
+        )
+        object.__setattr__(
+            self,
+            "local_sgd_warmup_steps",
+            _int("engine", "local_sgd_warmup_steps", self.local_sgd_warmup_steps, 0),
+        )
 
 
 @dataclass(frozen=True)
