@@ -47,12 +47,31 @@ class LstmLmParams(BaseModel):
     dataset_size: int = Field(1024, ge=1, le=100_000_000)
 
 
+class PartialFcParams(BaseModel):
+    """Extras of the `partial_fc` recipe (an MLP backbone and a classifier sharded across ranks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_size: int = Field(32, ge=1, le=65_536)
+    hidden_size: int = Field(64, ge=1, le=65_536)
+    embedding_size: int = Field(16, ge=1, le=65_536)
+    num_classes: int = Field(64, ge=2, le=100_000_000, description="Classifier rows, split across ranks.")
+    sample_rate: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of classes given logits per step: the batch's positives, then random negatives.",
+    )
+    dataset_size: int = Field(2048, ge=1, le=100_000_000)
+
+
 # Recipe name -> model of its hyperparameter extras. The engine registers the same names
 # (a test keeps the two in step).
 RECIPES: dict[str, type[BaseModel]] = {
     "mlp": MlpParams,
     "lstm_lm": LstmLmParams,
     "cnn_bn": CnnBnParams,
+    "partial_fc": PartialFcParams,
 }
 
 _BASE_HYPERPARAMETERS = {"global_batch_size", "lr", "momentum", "weight_decay", "steps", "seed"}

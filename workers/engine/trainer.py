@@ -19,6 +19,7 @@ from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.recipes import Plan
+from workers.engine.sharding import clip_grad_norm_, gather_state, optimizer_param_names, slice_state
 
 CHECKPOINT_FORMAT = 1
 
@@ -43,7 +44,14 @@ class Trainer:
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
         self.dataset = plan.dataset if hasattr(plan.dataset, "batch") else MapDataset(plan.dataset)
         self.loss_fn = plan.loss_fn
-        self.non_data_parallel = list(plan.non_data_parallel)
+        self.sharded = list(plan.sharded)
+        params = dict(self.model.named_parameters())
+        missing = [n for n in self.sharded if n not in params]
+        if missing:
+            raise ValueError(f"plan.sharded names no parameter of the model: {', '.join(missing)}")
+        self.sharded_params = [params[n] for n in self.sharded]
+        # A rank's rows are its own: sharded parameters are never broadcast or allreduced.
+        self.non_data_parallel = list(dict.fromkeys([*plan.non_data_parallel, *self.sharded]))
         t = cfg.training
         # Weight decay lives in the optimizer, applied to the already rank-averaged gradient, so it is
         # the same at any world size (the Caffe2 "scale the loss, not the LR" lesson).
@@ -55,6 +63,7 @@ class Trainer:
             )
         )
         self.scheduler = plan.lr_scheduler(self.optimizer) if plan.lr_scheduler is not None else None
+        self.optim_names = optimizer_param_names(self.model, self.optimizer)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
         self.iter = 0  # optimizer steps completed (Caffe2's ITER)
         self.train_model: nn.Module = self.model  # DDP wrapper once wrap() ran at world > 1
@@ -70,14 +79,25 @@ class Trainer:
     # ---- state ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Full, unsharded, weights_only-safe training state (loadable at any world size)."""
+        """Full, unsharded, weights_only-safe training state (loadable at any world size).
+
+        With sharded parameters this is a collective: every rank must call it, and only rank 0's
+        result holds the whole tensors.
+        """
         rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        model, optimizer = gather_state(
+            self.model.state_dict(),  # bare module: no "module." prefixes
+            self.optimizer.state_dict(),
+            sharded=self.sharded,
+            optim_names=self.optim_names,
+            world_size=self.env.world_size,
+        )
         return {
             "format": CHECKPOINT_FORMAT,
-            "model": self.model.state_dict(),  # bare module: no "module." prefixes
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             **({"lr_scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}),
             "iter": self.iter,
             "world_size": self.env.world_size,
@@ -86,9 +106,17 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore model, optimizer, ITER and RNG state from `state_dict()` output."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore model, optimizer, ITER and RNG state from `state_dict()` output (any world size)."""
+        model, optimizer = slice_state(
+            state["model"],
+            state["optimizer"],
+            sharded=self.sharded,
+            optim_names=self.optim_names,
+            world_size=self.env.world_size,
+            rank=self.env.rank,
+        )
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
         if self.scheduler is not None and "lr_scheduler" in state:
             self.scheduler.load_state_dict(state["lr_scheduler"])
         self.iter = int(state["iter"])
@@ -188,7 +216,13 @@ class Trainer:
             loss_sum += loss.detach().float()
         if self.clip_norm is not None:
             # On the synchronised, rank-averaged gradient, so every rank clips identically.
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            if self.sharded_params:
+                # Each rank holds different rows: their norms must be summed across ranks first.
+                shard_ids = {id(p) for p in self.sharded_params}
+                replicated = [p for p in self.model.parameters() if id(p) not in shard_ids]
+                self.grad_norm = clip_grad_norm_(replicated, self.sharded_params, self.clip_norm)
+            else:
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
         local_loss = loss_sum / n
         if not bool(torch.isfinite(local_loss)):
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.
@@ -243,7 +277,8 @@ class Trainer:
                         values["grad_norm"] = float(self.grad_norm.item())
                     self.events.emit("metrics", step=self.iter, values=values)
                 window_start, window_steps = time.perf_counter(), 0
-            if main and self.checkpoints.should_save(self.iter, last):
+            # Sharded parameters are gathered to rank 0 for the save: every rank takes part then.
+            if (main or self.sharded) and self.checkpoints.should_save(self.iter, last):
                 self._save(last)
                 window_start, window_steps = time.perf_counter(), 0  # keep save time out of step timing
         # No rank reports success before every rank has finished its last step.

@@ -35,6 +35,8 @@ class Plan:
     - `lr_scheduler`: a factory `optimizer -> scheduler`, stepped once per optimizer step.
     - `non_data_parallel`: names (as in `model.named_parameters()` / buffers) that each rank keeps
       to itself: left out of the gradient allreduce and of the initial broadcast.
+    - `sharded`: names of parameters split by rows across ranks (`workers.engine.sharding.shard_range`):
+      each rank's model holds only its rows; never data-parallel; checkpoints hold the whole tensor.
     """
 
     model: nn.Module
@@ -43,3 +45,4 @@ class Plan:
     optimizer: OptimizerFactory | None = None
     lr_scheduler: SchedulerFactory | None = None
     non_data_parallel: Sequence[str] = ()
+    sharded: Sequence[str] = ()
