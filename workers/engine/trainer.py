@@ -253,8 +253,8 @@ class Trainer:
                         "step_time_s": elapsed / window_steps,
                     }
                     if self.grad_norm is not None:
-                        # Identical on every rank (from averaged grads; in a LocalSGD local step, rank
-                        # 0's own): no collective.
+                        # From averaged grads, so identical on every rank: no collective (in a LocalSGD
+                        # local step it is rank 0's own).
                         values["grad_norm"] = float(self.grad_norm.item())
                     self.events.emit("metrics", step=self.iter, values=values)
                 window_start, window_steps = time.perf_counter(), 0
