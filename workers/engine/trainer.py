@@ -18,6 +18,7 @@ from workers.engine.config import JobConfig
 from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
+from workers.engine.local_sgd import LocalSGD
 from workers.engine.recipes import Plan
 from workers.engine.sharding import clip_grad_norm_, gather_state, optimizer_param_names, slice_state
 
@@ -75,6 +76,7 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if e.precision == "bf16" else None
         self.grad_norm: torch.Tensor | None = None  # pre-clip total norm of the last step, if clipping
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
+        self.local_sgd: LocalSGD | None = None  # built by wrap() for engine.mode "local_sgd" at world > 1
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -175,6 +177,13 @@ class Trainer:
             # Either way DDP broadcasts rank 0's buffers once at construction.
             forward_sync_buffers=e.buffers == "broadcast",
         )
+        if e.mode == "local_sgd":
+            self.local_sgd = LocalSGD(
+                self.model,
+                period=e.local_sgd_period,
+                warmup_steps=e.local_sgd_warmup_steps,
+                skip=self.non_data_parallel,
+            )
 
     def _average_buffers(self) -> None:
         """Replace every rank's floating-point buffers by their mean over ranks (one coalesced allreduce)."""
@@ -205,9 +214,11 @@ class Trainer:
         n = self.accum
         ddp = self.train_model if isinstance(self.train_model, DistributedDataParallel) else None
         loss_sum = torch.zeros((), device=self.device)
+        local = self.local_sgd is not None and self.local_sgd.is_local(it)
         for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
             # Only the last micro-step allreduces; earlier ones just accumulate into the local grads.
-            sync = ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext()
+            # A LocalSGD local step allreduces no gradient at all.
+            sync = ddp.no_sync() if ddp is not None and (i < n - 1 or local) else contextlib.nullcontext()
             with sync:
                 with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
                     loss = self.loss_fn(self.train_model(x), y)
@@ -215,7 +226,8 @@ class Trainer:
                 (loss / n if n > 1 else loss).backward()
             loss_sum += loss.detach().float()
         if self.clip_norm is not None:
-            # On the synchronised, rank-averaged gradient, so every rank clips identically.
+            # On the synchronised, rank-averaged gradient, so every rank clips identically (in a LocalSGD
+            # local step: on the rank's own gradient).
             if self.sharded_params:
                 # Each rank holds different rows: their norms must be summed across ranks first.
                 shard_ids = {id(p) for p in self.sharded_params}
@@ -228,6 +240,8 @@ class Trainer:
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.
             raise FloatingPointError(f"non-finite loss at step {it + 1} on rank {self.env.rank}")
         self.optimizer.step()
+        if self.local_sgd is not None:
+            self.local_sgd.after_step(it)  # before zero_grad: torch's averager skips grad-less params
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -273,7 +287,8 @@ class Trainer:
                         "step_time_s": elapsed / window_steps,
                     }
                     if self.grad_norm is not None:
-                        # Already identical on every rank (computed from averaged grads): no collective.
+                        # From averaged grads, so identical on every rank: no collective (in a LocalSGD
+                        # local step it is rank 0's own).
                         values["grad_norm"] = float(self.grad_norm.item())
                     self.events.emit("metrics", step=self.iter, values=values)
                 window_start, window_steps = time.perf_counter(), 0
