@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings, get_settings
+from service.dashboard.router import install_dashboard
 from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.errors import install_error_handler
@@ -40,6 +41,7 @@ def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | Non
     app.state.dispatcher = dispatcher or CeleryDispatcher(settings)
     install_error_handler(app)
     app.include_router(jobs_router)
+    install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:

@@ -1,0 +1,38 @@
+"""Serves the dashboard page and its static files; every bit of data comes from `/v1` with a token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+# The page only talks to its own origin and builds the DOM with textContent, never HTML from data;
+# the CSP makes that a rule. uPlot positions its elements with inline styles, hence 'unsafe-inline'
+# for styles only (no inline script is allowed).
+_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+router = APIRouter(include_in_schema=False)
+
+
+@router.get("/")
+def dashboard() -> FileResponse:
+    """The dashboard page; it shows nothing until the user signs in with an API token."""
+    return FileResponse(STATIC / "index.html", media_type="text/html", headers=_HEADERS)
+
+
+def install_dashboard(app: FastAPI) -> None:
+    """Serve the page at `/` and its scripts, styles and the vendored uPlot under `/static`."""
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")

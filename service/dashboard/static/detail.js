@@ -1,0 +1,222 @@
+// One job: header and cancel, live loss and throughput charts (uPlot), latest metrics, state timeline,
+// checkpoints, per-rank log tail and the spec. Live over the SSE stream; polling if that fails.
+"use strict";
+
+(() => {
+  const d = window.dptrain;
+  const { api, streamEvents, every, el, ago, jobDuration, bytes, fmt, badge, progressBar, TERMINAL } = d;
+
+  const CHARTS = [
+    { metric: "loss", title: "Loss", color: "#2563eb" },
+    { metric: "samples_per_s", title: "Throughput (samples/s)", color: "#15803d" },
+  ];
+
+  const compactFormat = new Intl.NumberFormat("en", { notation: "compact", maximumSignificantDigits: 3 });
+
+  function compact(v) {
+    return v === null || v === undefined ? "" : Math.abs(v) >= 1000 ? compactFormat.format(v) : String(+v.toPrecision(3));
+  }
+
+  function makeChart(container, title, color) {
+    const width = Math.max(320, container.clientWidth - 8);
+    // eslint-disable-next-line no-undef
+    const chart = new uPlot({
+      width, height: 220, title,
+      scales: { x: { time: false } },
+      // Compact tick labels (12k, 3.4M) so large throughputs are not clipped at the chart's edge.
+      axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(compact) }],
+      series: [{ label: "step" }, { label: title, stroke: color, width: 2, points: { show: false } }],
+    }, [[], []], container);
+    d.currentScope().charts.push(chart);
+    return chart;
+  }
+
+  function jobDetail(view, jobId) {
+    const s = d.currentScope();
+    const header = el("section", { class: "card" });
+    const error = el("section", { class: "card", hidden: true });
+    const chartCards = CHARTS.map((c) => {
+      const body = el("div", { class: "chart", "data-chart": c.metric });
+      return { ...c, body, card: el("section", { class: "card" }, body) };
+    });
+    const latest = el("dl", { class: "kv", id: "latest-metrics" });
+    const timeline = el("tbody", { id: "timeline" });
+    const ckpts = el("tbody", { id: "checkpoints" });
+    const rankSelect = el("select", { id: "log-rank", "aria-label": "rank" }, el("option", { value: "", text: "all ranks" }));
+    const logs = el("pre", { class: "logs", id: "logs" });
+    const spec = el("pre", { class: "spec", id: "spec" });
+    const problem = el("p", { class: "error", role: "alert" });
+    view.append(header, problem, error,
+      el("div", { class: "grid" }, chartCards.map((c) => c.card)),
+      el("div", { class: "grid" },
+        el("section", { class: "card" }, el("h2", { text: "Latest metrics" }), latest),
+        el("section", { class: "card" }, el("h2", { text: "Timeline" }),
+          el("table", {}, el("thead", {}, el("tr", {}, ["When", "From", "To", "Attempt", "Reason"].map((h) => el("th", { text: h })))), timeline))),
+      el("section", { class: "card" }, el("h2", { text: "Checkpoints" }),
+        el("table", {}, el("thead", {}, el("tr", {}, ["Step", "Written", "Size", "sha256", ""].map((h) => el("th", { text: h })))), ckpts)),
+      el("section", { class: "card" }, el("div", { class: "toolbar" }, el("h2", { text: "Logs", style: "margin:0" }), rankSelect), logs),
+      el("section", { class: "card" }, el("h2", { text: "Spec" }), spec));
+
+    let job = null;
+    let jobEtag = null;
+    const charts = {};
+    const series = {}; // metric -> [steps[], values[]]
+    let lastStep = -1;
+
+    function renderHeader() {
+      const cancel = el("button", { class: "danger", id: "cancel", text: job.cancel_requested ? "Cancelling…" : "Cancel",
+        disabled: job.cancel_requested, hidden: TERMINAL.has(job.status), onclick: onCancel });
+      header.replaceChildren(
+        el("div", { class: "head" }, el("h1", { text: job.name }), badge(job.status), progressBar(job.progress),
+          el("span", { class: "spacer" }), cancel),
+        el("dl", { class: "kv", style: "margin-top:10px" },
+          el("dt", { text: "id" }), el("dd", { class: "mono", text: job.id }),
+          el("dt", { text: "owner" }), el("dd", { text: job.owner }),
+          el("dt", { text: "recipe" }), el("dd", { text: job.spec.recipe || job.spec.entrypoint }),
+          el("dt", { text: "ranks" }), el("dd", { text: `${job.spec.resources.nodes} × ${job.spec.resources.processes_per_node} ${job.spec.resources.device}` }),
+          el("dt", { text: "attempt" }), el("dd", { text: String(job.attempt) }),
+          el("dt", { text: "submitted" }), el("dd", { text: `${ago(job.created_at)} (${job.created_at})` }),
+          el("dt", { text: "duration" }), el("dd", { text: jobDuration(job) || "not started" })));
+      error.hidden = !job.error;
+      if (job.error) {
+        const e = job.error;
+        error.replaceChildren(el("h2", { text: `Error: ${e.type}${e.rank !== null && e.rank !== undefined ? ` on rank ${e.rank}` : ""}` }),
+          el("p", { class: "error", text: e.message }), e.traceback ? el("pre", { class: "spec", text: e.traceback }) : null);
+      }
+      latest.replaceChildren(...Object.entries(job.latest_metrics || {}).flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { class: "mono", text: fmt(v) })]));
+      if (rankSelect.options.length === 1) {
+        const world = job.spec.resources.nodes * job.spec.resources.processes_per_node;
+        for (let r = 0; r < world; r++) rankSelect.append(el("option", { value: String(r), text: `rank ${r}` }));
+      }
+      spec.textContent = JSON.stringify(job.spec, null, 2);
+    }
+
+    async function onCancel(ev) {
+      ev.target.disabled = true;
+      try {
+        const r = await api(`/v1/jobs/${jobId}/cancel`, { method: "POST" });
+        setJob(r.data);
+      } catch (e) { problem.textContent = e.message; ev.target.disabled = false; }
+    }
+
+    function setJob(next) {
+      const statusChanged = !job || job.status !== next.status || job.attempt !== next.attempt;
+      job = next;
+      renderHeader();
+      if (statusChanged) loadTimeline();
+    }
+
+    function addPoints(newSeries) {
+      for (const [name, points] of Object.entries(newSeries)) {
+        const data = (series[name] ||= [[], []]);
+        for (const [step, value] of points) {
+          if (data[0].length && step <= data[0][data[0].length - 1]) continue; // already have it
+          data[0].push(step);
+          data[1].push(value);
+          lastStep = Math.max(lastStep, step);
+        }
+        if (charts[name]) charts[name].setData(data);
+      }
+    }
+
+    async function loadTimeline() {
+      const { data } = await api(`/v1/jobs/${jobId}/timeline`);
+      timeline.replaceChildren(...data.items.map((t) => el("tr", {},
+        el("td", { text: ago(t.at), title: t.at }), el("td", { text: t.from_status || "" }), el("td", {}, badge(t.to_status)),
+        el("td", { text: String(t.attempt) }), el("td", { text: t.reason || "" }))));
+    }
+
+    async function loadCheckpoints() {
+      const { data } = await api(`/v1/jobs/${jobId}/checkpoints`);
+      ckpts.replaceChildren(...data.items.map((c) => el("tr", { "data-step": c.step },
+        el("td", { text: String(c.step) }), el("td", { text: ago(c.created_at), title: c.created_at }),
+        el("td", { text: bytes(c.size_bytes) }), el("td", { class: "mono", text: c.sha256 }),
+        el("td", {}, el("button", { text: "Download", onclick: () => download(c) })))));
+    }
+
+    async function download(c) {
+      // The download needs the bearer header, which a plain link cannot send: fetch it as a blob.
+      const r = await fetch(`/v1/jobs/${jobId}/checkpoints/${c.id}/download`, {
+        headers: { Authorization: `Bearer ${sessionStorage.getItem("dptrain.token")}` },
+      });
+      if (!r.ok) { problem.textContent = `download failed: ${r.status}`; return; }
+      const url = URL.createObjectURL(await r.blob());
+      const a = el("a", { href: url, download: `${jobId}-step${c.step}.pt` });
+      document.body.append(a);
+      a.click();
+      a.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 10000);
+    }
+
+    let logCursor = null;
+    async function pollLogs() {
+      const rank = rankSelect.value;
+      const q = new URLSearchParams();
+      if (rank) q.set("rank", rank);
+      if (logCursor === null) q.set("tail", String(d.LOG_TAIL)); else q.set("after", String(logCursor));
+      const { data } = await api(`/v1/jobs/${jobId}/logs?${q}`);
+      if (!data.items.length) return;
+      const atBottom = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
+      const text = data.items.map((l) => `${l.rank === null ? "launcher" : `rank${l.rank}`}| ${l.line}`).join("\n");
+      logs.textContent = (logs.textContent ? `${logs.textContent}\n` : "") + text;
+      const lines = logs.textContent.split("\n");
+      if (lines.length > 2000) logs.textContent = lines.slice(-2000).join("\n");
+      logCursor = data.next_cursor;
+      if (atBottom) logs.scrollTop = logs.scrollHeight;
+    }
+    rankSelect.addEventListener("change", () => { logCursor = null; logs.textContent = ""; pollLogs(); });
+
+    // Polling fallback: conditional GETs of the job, then only what is new.
+    async function poll() {
+      const r = await api(`/v1/jobs/${jobId}`, { etag: jobEtag });
+      if (r.notModified) return;
+      jobEtag = r.etag;
+      setJob(r.data);
+      const m = await api(`/v1/jobs/${jobId}/metrics?since_step=${lastStep}&max_points=${d.MAX_CHART_POINTS}`);
+      addPoints(m.data.series);
+      await loadCheckpoints();
+    }
+
+    async function listen() {
+      const abort = new AbortController();
+      s.aborts.push(abort);
+      let gotEvent = false;
+      try {
+        await streamEvents(`/v1/jobs/${jobId}/events?since_step=${lastStep}&max_points=${d.MAX_CHART_POINTS}`, (type, data) => {
+          gotEvent = true;
+          d.showLive("live");
+          if (type === "job") setJob(data);
+          else if (type === "metrics") addPoints(data.series);
+          else if (type === "checkpoint") loadCheckpoints();
+          else if (type === "end") d.showLive("");
+        }, abort.signal);
+        if (job && TERMINAL.has(job.status)) return;
+      } catch (e) {
+        if (s.dead || e instanceof d.Unauthorized) return;
+      }
+      if (s.dead) return;
+      // The stream is unavailable (or dropped before the end): fall back to polling.
+      d.showLive(gotEvent ? "reconnecting: polling" : "polling");
+      every(d.DETAIL_POLL_MS, poll);
+    }
+
+    (async () => {
+      try {
+        const r = await api(`/v1/jobs/${jobId}`);
+        jobEtag = r.etag;
+        setJob(r.data);
+      } catch (e) {
+        if (!(e instanceof d.Unauthorized)) problem.textContent = e.message;
+        return;
+      }
+      for (const c of chartCards) charts[c.metric] = makeChart(c.body, c.title, c.color);
+      const m = await api(`/v1/jobs/${jobId}/metrics?max_points=${d.MAX_CHART_POINTS}`);
+      addPoints(m.data.series);
+      await loadCheckpoints();
+      every(d.DETAIL_POLL_MS, pollLogs)();
+      listen();
+    })();
+  }
+
+  window.dptrainViews.jobDetail = jobDetail;
+})();
