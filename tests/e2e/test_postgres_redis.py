@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-import redis
 import yaml
 
 from api_schemas import JobSpec
@@ -18,20 +15,9 @@ from service.config import Settings
 from service.db import session_factory
 from service.jobs import service
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.conftest import REDIS_URL
 from tests.e2e.helpers import clean_env, wait_for_terminal
 from tests.e2e.scenario import SPEC, run_mlp_scenario
-from tests.e2e.stack import Stack, running_stack
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
-    except redis.RedisError as exc:
-        pytest.fail(f"Redis is required at {REDIS_URL} and could not be reached: {exc}")
-    with running_stack(tmp_path_factory.mktemp("stack"), broker_url=REDIS_URL) as stack:
-        yield stack
+from tests.e2e.stack import Stack
 
 
 def test_mlp_on_two_ranks_through_redis_and_postgres(stack: Stack) -> None:
