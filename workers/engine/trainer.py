@@ -19,6 +19,7 @@ from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.recipes import Plan
+from workers.engine.sparse import SparseGradSync, clip_grad_norm_, default_sgd
 
 CHECKPOINT_FORMAT = 1
 
@@ -50,9 +51,8 @@ class Trainer:
         self.optimizer = (
             plan.optimizer(self.model.parameters())
             if plan.optimizer is not None
-            else torch.optim.SGD(
-                self.model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
-            )
+            # Plain SGD for sparse-gradient tables (torch's refuses their weight decay): see sparse.py.
+            else default_sgd(self.model, t.lr, t.momentum, t.weight_decay)
         )
         self.scheduler = plan.lr_scheduler(self.optimizer) if plan.lr_scheduler is not None else None
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
@@ -66,6 +66,7 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if e.precision == "bf16" else None
         self.grad_norm: torch.Tensor | None = None  # pre-clip total norm of the last step, if clipping
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
+        self.sparse_sync: SparseGradSync | None = None  # set by wrap() at world > 1 for sparse-grad params
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -119,13 +120,16 @@ class Trainer:
         if self.env.world_size == 1:
             # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
             return
-        if self.non_data_parallel:
-            # DDP's own mechanism: these names are neither broadcast from rank 0 nor allreduced, so
-            # each rank keeps its own (Caffe2's non-data-parallel params).
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                self.model, self.non_data_parallel
-            )
         e = self.cfg.engine
+        # Sparse-gradient tables go around DDP (NCCL cannot allreduce sparse tensors): sparse.py syncs them.
+        sparse = SparseGradSync.for_model(self.model, e.sparse, self.env.world_size, self.non_data_parallel)
+        self.sparse_sync = sparse if sparse.params else None
+        if self.non_data_parallel or sparse.params:
+            # DDP's own mechanism: these names are neither broadcast from rank 0 nor allreduced, so
+            # each rank keeps its own (Caffe2's non-data-parallel params). One call: it overwrites.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, [*self.non_data_parallel, *sparse.names]
+            )
         if e.sync_batchnorm:
             # After resume (a plain BatchNorm state_dict loads either way) and before DDP sees the modules.
             self.model = convert_sync_batchnorm(self.model, self.device)
@@ -147,6 +151,8 @@ class Trainer:
             # Either way DDP broadcasts rank 0's buffers once at construction.
             forward_sync_buffers=e.buffers == "broadcast",
         )
+        if self.sparse_sync is not None:
+            self.sparse_sync.broadcast_from_rank0()  # ignored by DDP, so not broadcast by it
 
     def _average_buffers(self) -> None:
         """Replace every rank's floating-point buffers by their mean over ranks (one coalesced allreduce)."""
@@ -186,9 +192,12 @@ class Trainer:
                 # DDP allreduces buckets in reverse order, overlapped with the last backward.
                 (loss / n if n > 1 else loss).backward()
             loss_sum += loss.detach().float()
+        if self.sparse_sync is not None:
+            self.sparse_sync.sync()  # after the last micro-step, like DDP's own allreduce
         if self.clip_norm is not None:
             # On the synchronised, rank-averaged gradient, so every rank clips identically.
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            # sparse.clip_grad_norm_ is torch's, also for sparse gradients (which torch's refuses).
+            self.grad_norm = clip_grad_norm_(self.model.parameters(), self.clip_norm)
         local_loss = loss_sum / n
         if not bool(torch.isfinite(local_loss)):
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.
