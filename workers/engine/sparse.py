@@ -36,6 +36,18 @@ def sparse_param_names(model: nn.Module, skip: Iterable[str] = ()) -> list[str]:
     return names
 
 
+def ddp_ignore_names(names: Iterable[str]) -> list[str]:
+    """`names` in both spellings DDP matches: "scale" and ".scale" for the root module's own tensors."""
+    # DDP (torch 2.13) checks its initial broadcast against named_parameters() names ("scale") but
+    # builds its allreduce buckets from f"{module_name}.{param_name}", which for a parameter of the
+    # root module is ".scale": listing "scale" alone kept it out of the broadcast yet still averaged
+    # its gradient (tests/engine/test_sparse_embedding.py caught it). Nested names agree in both.
+    out: list[str] = []
+    for name in names:
+        out += [name, f".{name}"] if "." not in name else [name]
+    return out
+
+
 def default_sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
     """The engine's default SGD; parameters with sparse gradients get their own group (plain SGD)."""
     sparse = set(sparse_param_names(model))

@@ -19,7 +19,7 @@ from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.recipes import Plan
-from workers.engine.sparse import SparseGradSync, clip_grad_norm_, default_sgd
+from workers.engine.sparse import SparseGradSync, clip_grad_norm_, ddp_ignore_names, default_sgd
 
 CHECKPOINT_FORMAT = 1
 
@@ -128,7 +128,7 @@ class Trainer:
             # DDP's own mechanism: these names are neither broadcast from rank 0 nor allreduced, so
             # each rank keeps its own (Caffe2's non-data-parallel params). One call: it overwrites.
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                self.model, [*self.non_data_parallel, *sparse.names]
+                self.model, ddp_ignore_names([*self.non_data_parallel, *sparse.names])
             )
         if e.sync_batchnorm:
             # After resume (a plain BatchNorm state_dict loads either way) and before DDP sees the modules.
