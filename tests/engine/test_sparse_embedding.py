@@ -357,6 +357,14 @@ def test_non_data_parallel_parameter_keeps_each_rank_own_gradient(spawned: list[
             )
 
 
+def test_clipping_is_refused_with_non_data_parallel_parameters() -> None:
+    # Checked in wrap() before DDP or any collective, so no process group is needed.
+    env = D.DistEnv(rank=0, world_size=WORLD)
+    trainer = Trainer(_cfg(False), _non_dp_plan(), env, torch.device("cpu"), cast(Any, None), cast(Any, None))
+    with pytest.raises(ValueError, match=r"grad_clip_norm cannot be combined .*\(scale\)"):
+        trainer.wrap()
+
+
 def test_clipping_handles_sparse_gradients_like_dense_ones() -> None:
     sparse, dense = nn.EmbeddingBag(10, 3, sparse=True), nn.EmbeddingBag(10, 3)
     dense.load_state_dict(copy.deepcopy(sparse.state_dict()))

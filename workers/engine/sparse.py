@@ -48,6 +48,22 @@ def ddp_ignore_names(names: Iterable[str]) -> list[str]:
     return out
 
 
+def refuse_clipping_of_local_params(
+    model: nn.Module, non_data_parallel: Sequence[str], clip: float | None
+) -> None:
+    """Refuse `engine.grad_clip_norm` when a non-data-parallel parameter takes a gradient."""
+    if clip is None:
+        return
+    local = [n for n, p in model.named_parameters() if n in set(non_data_parallel) and p.requires_grad]
+    if local:
+        # One norm over all gradients, these rank-own ones included, differs per rank: each rank would
+        # scale its (identical) averaged gradients by a different factor and the replicas drift apart.
+        raise ValueError(
+            "engine.grad_clip_norm cannot be combined with non-data-parallel parameters "
+            f"({', '.join(local)}) at world size > 1: ranks would clip by different factors"
+        )
+
+
 def default_sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
     """The engine's default SGD; parameters with sparse gradients get their own group (plain SGD)."""
     sparse = set(sparse_param_names(model))

@@ -19,7 +19,13 @@ from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.recipes import Plan
-from workers.engine.sparse import SparseGradSync, clip_grad_norm_, ddp_ignore_names, default_sgd
+from workers.engine.sparse import (
+    SparseGradSync,
+    clip_grad_norm_,
+    ddp_ignore_names,
+    default_sgd,
+    refuse_clipping_of_local_params,
+)
 
 CHECKPOINT_FORMAT = 1
 
@@ -121,6 +127,7 @@ class Trainer:
             # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
             return
         e = self.cfg.engine
+        refuse_clipping_of_local_params(self.model, self.non_data_parallel, self.clip_norm)
         # Sparse-gradient tables go around DDP (NCCL cannot allreduce sparse tensors): sparse.py syncs them.
         sparse = SparseGradSync.for_model(self.model, e.sparse, self.env.world_size, self.non_data_parallel)
         self.sparse_sync = sparse if sparse.params else None
