@@ -65,6 +65,19 @@ class PartialFcParams(BaseModel):
     dataset_size: int = Field(2048, ge=1, le=100_000_000)
 
 
+class SparseEmbeddingParams(BaseModel):
+    """Extras of the `sparse_embedding` recipe (a sparse-gradient EmbeddingBag over Zipf-skewed ids)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_embeddings: int = Field(1000, ge=2, le=100_000_000)
+    embed_size: int = Field(16, ge=1, le=65_536)
+    bag_size: int = Field(8, ge=1, le=65_536)
+    hidden_size: int = Field(32, ge=1, le=65_536)
+    num_classes: int = Field(4, ge=2, le=100_000)
+    dataset_size: int = Field(1024, ge=1, le=100_000_000)
+
+
 # Recipe name -> model of its hyperparameter extras. The engine registers the same names
 # (a test keeps the two in step).
 RECIPES: dict[str, type[BaseModel]] = {
@@ -72,6 +85,7 @@ RECIPES: dict[str, type[BaseModel]] = {
     "lstm_lm": LstmLmParams,
     "cnn_bn": CnnBnParams,
     "partial_fc": PartialFcParams,
+    "sparse_embedding": SparseEmbeddingParams,
 }
 
 _BASE_HYPERPARAMETERS = {"global_batch_size", "lr", "momentum", "weight_decay", "steps", "seed"}

@@ -133,23 +133,3 @@ def slice_state(
         optim_state, optim_names, set(sharded), full_rows, lambda t: _slice_rows(t, world_size, rank)
     )
     return model_state, optim_state
-
-
-def clip_grad_norm_(
-    params: Sequence[nn.Parameter], sharded_params: Sequence[nn.Parameter], max_norm: float
-) -> torch.Tensor:
-    """torch's clip_grad_norm_ over the whole model: sharded params' squared norms summed over ranks."""
-    grads = [p.grad for p in params if p.grad is not None]
-    shard_grads = [p.grad for p in sharded_params if p.grad is not None]
-    device = (grads or shard_grads)[0].device if grads or shard_grads else torch.device("cpu")
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    local = (
-        torch.linalg.vector_norm(torch.stack([g.detach().float().norm() for g in grads])) if grads else zero
-    )
-    shard_sq = sum((g.detach().float().norm() ** 2 for g in shard_grads), zero)
-    if rank_and_world()[1] > 1:
-        # Replicated grads are already equal on every rank; only the shards' parts differ and must be summed.
-        dist.all_reduce(shard_sq, op=dist.ReduceOp.SUM)
-    total = torch.sqrt(local**2 + shard_sq)
-    torch.nn.utils.clip_grads_with_norm_([*params, *sharded_params], max_norm, total)
-    return total

@@ -14,13 +14,20 @@ from torch.nn.parallel import DistributedDataParallel
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
+from workers.engine.clipping import clip_grad_norm_
 from workers.engine.config import JobConfig
 from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.recipes import Plan
-from workers.engine.sharding import clip_grad_norm_, gather_state, optimizer_param_names, slice_state
+from workers.engine.sharding import gather_state, optimizer_param_names, slice_state
+from workers.engine.sparse import (
+    SparseGradSync,
+    ddp_ignore_names,
+    default_sgd,
+    refuse_clipping_of_local_params,
+)
 
 CHECKPOINT_FORMAT = 1
 
@@ -59,9 +66,8 @@ class Trainer:
         self.optimizer = (
             plan.optimizer(self.model.parameters())
             if plan.optimizer is not None
-            else torch.optim.SGD(
-                self.model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
-            )
+            # Plain SGD for sparse-gradient tables (torch's refuses their weight decay): see sparse.py.
+            else default_sgd(self.model, t.lr, t.momentum, t.weight_decay)
         )
         self.scheduler = plan.lr_scheduler(self.optimizer) if plan.lr_scheduler is not None else None
         self.optim_names = optimizer_param_names(self.model, self.optimizer)
@@ -77,6 +83,7 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None  # pre-clip total norm of the last step, if clipping
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
         self.local_sgd: LocalSGD | None = None  # built by wrap() for engine.mode "local_sgd" at world > 1
+        self.sparse_sync: SparseGradSync | None = None  # set by wrap() at world > 1 for sparse-grad params
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -149,13 +156,19 @@ class Trainer:
         if self.env.world_size == 1:
             # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
             return
-        if self.non_data_parallel:
-            # DDP's own mechanism: these names are neither broadcast from rank 0 nor allreduced, so
-            # each rank keeps its own (Caffe2's non-data-parallel params).
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                self.model, self.non_data_parallel
-            )
         e = self.cfg.engine
+        # Sharded rows are clipped by the global norm (clipping.py); other rank-own params cannot be.
+        own = [n for n in self.non_data_parallel if n not in self.sharded]
+        refuse_clipping_of_local_params(self.model, own, self.clip_norm)
+        # Sparse-gradient tables go around DDP (NCCL cannot allreduce sparse tensors): sparse.py syncs them.
+        sparse = SparseGradSync.for_model(self.model, e.sparse, self.env.world_size, self.non_data_parallel)
+        self.sparse_sync = sparse if sparse.params else None
+        if self.non_data_parallel or sparse.params:
+            # DDP's own mechanism: these names are neither broadcast from rank 0 nor allreduced, so
+            # each rank keeps its own (Caffe2's non-data-parallel params). One call: it overwrites.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, ddp_ignore_names([*self.non_data_parallel, *sparse.names])
+            )
         if e.sync_batchnorm:
             # After resume (a plain BatchNorm state_dict loads either way) and before DDP sees the modules.
             self.model = convert_sync_batchnorm(self.model, self.device)
@@ -177,6 +190,8 @@ class Trainer:
             # Either way DDP broadcasts rank 0's buffers once at construction.
             forward_sync_buffers=e.buffers == "broadcast",
         )
+        if self.sparse_sync is not None:
+            self.sparse_sync.broadcast_from_rank0()  # ignored by DDP, so not broadcast by it
         if e.mode == "local_sgd":
             self.local_sgd = LocalSGD(
                 self.model,
@@ -225,16 +240,14 @@ class Trainer:
                 # DDP allreduces buckets in reverse order, overlapped with the last backward.
                 (loss / n if n > 1 else loss).backward()
             loss_sum += loss.detach().float()
+        if self.sparse_sync is not None and not local:
+            self.sparse_sync.sync()  # after the last micro-step, like DDP's own allreduce
         if self.clip_norm is not None:
             # On the synchronised, rank-averaged gradient, so every rank clips identically (in a LocalSGD
-            # local step: on the rank's own gradient).
-            if self.sharded_params:
-                # Each rank holds different rows: their norms must be summed across ranks first.
-                shard_ids = {id(p) for p in self.sharded_params}
-                replicated = [p for p in self.model.parameters() if id(p) not in shard_ids]
-                self.grad_norm = clip_grad_norm_(replicated, self.sharded_params, self.clip_norm)
-            else:
-                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            # local step: on the rank's own gradient). Sparse gradients and sharded rows are handled too.
+            shard_ids = {id(p) for p in self.sharded_params}
+            replicated = [p for p in self.model.parameters() if id(p) not in shard_ids]
+            self.grad_norm = clip_grad_norm_(replicated, self.clip_norm, sharded=self.sharded_params)
         local_loss = loss_sum / n
         if not bool(torch.isfinite(local_loss)):
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.

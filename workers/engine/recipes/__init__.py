@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from workers.engine.recipes import cnn_bn, lstm_lm, mlp, partial_fc
+from workers.engine.recipes import cnn_bn, lstm_lm, mlp, partial_fc, sparse_embedding
 from workers.engine.recipes.plan import Plan
 
 RecipeBuilder = Callable[[Mapping[str, Any], int], Plan]
@@ -17,6 +17,7 @@ RECIPES: dict[str, RecipeBuilder] = {
     "lstm_lm": lstm_lm.build,
     "cnn_bn": cnn_bn.build,
     "partial_fc": partial_fc.build,
+    "sparse_embedding": sparse_embedding.build,
 }
 
 __all__ = ["RECIPES", "Plan", "RecipeBuilder", "get_builder", "get_recipe", "load_entrypoint"]

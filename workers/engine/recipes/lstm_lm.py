@@ -17,7 +17,7 @@ from workers.engine.data import TensorDataset, mix_seed
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from mlp's (7) and from the sampler's streams (data.py).
-_DATA_STREAM = 11
+_DATA_STREAM = 12
 
 # Lower bounds of the extras (vocab_size >= 2 so there is something to predict).
 _MINIMUM = {"vocab_size": 2}

@@ -26,8 +26,8 @@ from workers.engine.recipes.plan import Plan
 from workers.engine.sharding import rank_and_world, shard_range
 
 # Generator streams, distinct from the other recipes' and the sampler's (see data.py).
-_DATA_STREAM = 13
-_WEIGHT_STREAM = 14
+_DATA_STREAM = 15
+_WEIGHT_STREAM = 16
 _SAMPLE_STREAM = 1 << 40
 
 SHARDED_WEIGHT = "classifier.weight"

@@ -1,0 +1,105 @@
+"""The `sparse_embedding` recipe: an EmbeddingBag with sparse gradients over Zipf-distributed ids.
+
+Each sample is a bag of `bag_size` ids drawn from a skewed (Zipf-like) distribution over
+`num_embeddings` rows, so every batch touches a subset of the table: a few popular rows often, most
+rarely. The bag's mean embedding feeds a small dense MLP head; labels come from a fixed random
+teacher. The table's gradient is sparse (only touched rows), synchronised by the engine's sparse sync
+(`engine.sparse`), not by DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.plan import Plan
+
+# Stream id for the dataset generator, distinct from the other recipes' and the sampler's (data.py).
+_DATA_STREAM = 13
+
+# Zipf exponent of the id distribution: P(rank k) ~ 1 / k**s. Fixed, so the extras stay integers.
+_ZIPF_EXPONENT = 1.1
+
+# Lower bounds per extra (api_schemas.recipes.SparseEmbeddingParams has the same).
+_MINIMUMS = {"num_embeddings": 2, "num_classes": 2}
+
+
+@dataclass(frozen=True)
+class SparseEmbeddingConfig:
+    """Extras of the `sparse_embedding` recipe (defaults match api_schemas.recipes.SparseEmbeddingParams)."""
+
+    num_embeddings: int = 1000
+    embed_size: int = 16
+    bag_size: int = 8
+    hidden_size: int = 32
+    num_classes: int = 4
+    dataset_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+                object.__setattr__(self, f.name, v)
+            lo = _MINIMUMS.get(f.name, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> SparseEmbeddingConfig:
+        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"not a hyperparameter of recipe 'sparse_embedding': {', '.join(unknown)}")
+        return cls(**params)
+
+
+class SparseEmbeddingModel(nn.Module):
+    """EmbeddingBag(mean, sparse=True) -> Linear -> ReLU -> Linear; maps ids [B, bag] to logits [B, C]."""
+
+    def __init__(self, cfg: SparseEmbeddingConfig) -> None:
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(cfg.num_embeddings, cfg.embed_size, mode="mean", sparse=True)
+        # Small rows (std 0.1, not torch's N(0, 1)) as embedding tables usually start: with |w| up to ~4
+        # one float32 ulp is 4.8e-7, so two summation orders could already differ by the 1e-6 bound.
+        nn.init.normal_(self.embedding.weight, std=0.1)
+        self.head = nn.Sequential(
+            nn.Linear(cfg.embed_size, cfg.hidden_size), nn.ReLU(), nn.Linear(cfg.hidden_size, cfg.num_classes)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids))  # type: ignore[no-any-return]
+
+
+def build_model(cfg: SparseEmbeddingConfig) -> SparseEmbeddingModel:
+    """The model; its table's gradient is sparse."""
+    return SparseEmbeddingModel(cfg)
+
+
+def build_dataset(cfg: SparseEmbeddingConfig, seed: int) -> TensorDataset:
+    """Bags of Zipf-distributed ids labelled by a random teacher; a function of the seed alone."""
+    # A private generator keeps the data independent of the global RNG (and so of model-init order).
+    g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
+    n, v = cfg.dataset_size, cfg.num_embeddings
+    popularity = 1.0 / torch.arange(1, v + 1, dtype=torch.float64) ** _ZIPF_EXPONENT
+    # Popular ids are scattered over the table, not the first rows, so rows touched are not a prefix.
+    row_of_rank = torch.randperm(v, generator=g)
+    ranks = torch.multinomial(popularity, n * cfg.bag_size, replacement=True, generator=g)
+    ids = row_of_rank[ranks].view(n, cfg.bag_size)
+    teacher_table = torch.randn(v, cfg.embed_size, generator=g, dtype=torch.float64)
+    teacher_head = torch.randn(cfg.embed_size, cfg.num_classes, generator=g, dtype=torch.float64)
+    targets = (teacher_table[ids].mean(dim=1) @ teacher_head).argmax(dim=1)
+    return TensorDataset(inputs=ids, targets=targets)
+
+
+def build(params: Mapping[str, Any], seed: int) -> Plan:
+    """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
+    cfg = SparseEmbeddingConfig.from_params(params)
+    # No optimizer factory: the engine's default SGD already gives the sparse table plain SGD (sparse.py).
+    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)
