@@ -132,13 +132,16 @@ def test_engine_registers_exactly_the_recipes_the_api_accepts() -> None:
     )
 
 
-def test_engine_recipe_defaults_equal_the_api_defaults() -> None:
-    from dataclasses import asdict
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_engine_recipe_defaults_equal_the_api_defaults(recipe: str) -> None:
+    import importlib
+    from dataclasses import asdict, is_dataclass
 
-    from api_schemas.recipes import MlpParams
-    from workers.engine.recipes.mlp import MlpConfig
-
-    assert asdict(MlpConfig()) == MlpParams().model_dump()
+    module = importlib.import_module(f"workers.engine.recipes.{recipe}")
+    configs = [c for c in vars(module).values() if is_dataclass(c) and hasattr(c, "from_params")]
+    assert len(configs) == 1, f"{recipe}: expected one config dataclass with from_params, got {configs}"
+    engine, api = asdict(configs[0]()), RECIPES[recipe]().model_dump()
+    assert engine == api, f"{recipe}: engine defaults {engine} differ from the API's {api}"
 
 
 def test_stored_spec_states_every_recipe_hyperparameter(client: TestClient) -> None:

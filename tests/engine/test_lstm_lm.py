@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -30,13 +29,6 @@ def _spec(make_spec: Callable[..., dict[str, Any]]) -> dict[str, Any]:
     )
     spec["recipe"] = "lstm_lm"
     return spec
-
-
-def test_defaults_match_the_api_model() -> None:
-    from api_schemas.recipes import LstmLmParams
-    from workers.engine.recipes.lstm_lm import LstmLmConfig
-
-    assert asdict(LstmLmConfig()) == LstmLmParams().model_dump()
 
 
 def test_config_refuses_unknown_and_bad_extras() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import socket
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -23,7 +22,6 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from api_schemas import JobSpec, spec_errors
-from api_schemas.recipes import SparseEmbeddingParams
 from workers.engine import distributed as D
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.config import JobConfig
@@ -120,11 +118,6 @@ def test_allgather_equals_dense_sync(launch: Callable[..., Any]) -> None:
 
 
 # ---- recipe extras ----------------------------------------------------------------------------------------
-
-
-def test_api_defaults_equal_engine_defaults() -> None:
-    api, engine = SparseEmbeddingParams().model_dump(), asdict(sparse_embedding.SparseEmbeddingConfig())
-    assert api == engine, f"expected equal defaults, api {api} vs engine {engine}"
 
 
 @pytest.mark.parametrize(
