@@ -1,0 +1,143 @@
+"""The dashboard in a real browser: Playwright drives Debian's Chromium against API + worker on Redis/PostgreSQL.
+
+The stack has one worker with one slot, which makes the story deterministic: a long job holds the slot
+(running), a short job submitted after it waits (queued), the long job is cancelled from its detail page,
+and the short one then runs to `succeeded` while the list page watches. Screenshots go to test-reports/.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from tests.api_fixtures import ADMIN_TOKEN
+from tests.e2e.helpers import ROOT
+from tests.e2e.stack import Stack
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+REPORTS = ROOT / "test-reports"
+LOSS_RGB = (37, 99, 235)  # the loss series' stroke, #2563eb in detail.js
+
+# Counts canvas pixels of one colour: the series line, not the axes and grid uPlot also draws.
+_COUNT_PIXELS = """([selector, rgb]) => {
+  const canvas = document.querySelector(selector + ' canvas');
+  if (!canvas) return -1;
+  const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+  let n = 0;
+  for (let i = 0; i < data.length; i += 4) {
+    if (data[i + 3] > 200 && Math.abs(data[i] - rgb[0]) < 40 && Math.abs(data[i + 1] - rgb[1]) < 40
+        && Math.abs(data[i + 2] - rgb[2]) < 40) n++;
+  }
+  return n;
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's Chromium, headless; the test fails (never skips) without it."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"Chromium is required at {CHROMIUM} (apt-get install chromium; .ci/run does it)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def _submit(stack: Stack, name: str, **hp: Any) -> str:
+    spec = {
+        "name": name,
+        "recipe": "mlp",
+        "hyperparameters": {"global_batch_size": 32, "lr": 0.05, "steps": 40, **hp},
+        "resources": {"processes_per_node": 2, "device": "cpu"},
+        "engine": {"log_every_steps": 1},
+        "checkpoint": {"every_steps": 20, "keep_last": 2},
+        "labels": {"suite": "dashboard"},
+    }
+    r = stack.http.post("/v1/jobs", json=spec)
+    assert r.status_code == 201, f"expected 201 for {name}, got {r.status_code}: {r.text}"
+    return str(r.json()["id"])
+
+
+def _wait_for_line(page: Page, selector: str, what: str, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    count = -1
+    while time.monotonic() < deadline:
+        count = page.evaluate(_COUNT_PIXELS, [selector, list(LOSS_RGB)])
+        if count > 50:
+            return int(count)
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: expected the loss line drawn (> 50 pixels of it), got {count}")
+
+
+def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Browser) -> None:
+    REPORTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    base = str(stack.http.base_url)
+
+    # Nothing but the sign-in form without a token; a wrong token is refused.
+    page.goto(base)
+    expect(page.locator("#signin-view")).to_be_visible()
+    expect(page.locator("#view")).to_be_hidden()
+    page.fill("#token", "not-the-token-0123456789")
+    page.click("button[type=submit]")
+    expect(page.locator("#signin-error")).to_contain_text("refused")
+    page.fill("#token", ADMIN_TOKEN)
+    page.click("button[type=submit]")
+    expect(page.locator("#jobs")).to_be_visible()
+
+    # A long job takes the worker's only slot; a short one queues behind it.
+    long_id = _submit(stack, "ui-long", steps=10_000_000)
+    long_row = page.locator(f'tr[data-job-id="{long_id}"]')
+    expect(long_row.locator(".badge")).to_have_text("running", timeout=60_000)
+    short_id = _submit(stack, "ui-short")
+    short_row = page.locator(f'tr[data-job-id="{short_id}"]')
+    expect(short_row.locator(".badge")).to_have_text("queued", timeout=10_000)
+    expect(short_row).to_contain_text("suite=dashboard")
+
+    # The running job's page draws its loss live; its cancel button stops it.
+    long_row.locator("a").click()
+    expect(page.locator(".head h1")).to_have_text("ui-long")
+    _wait_for_line(page, '[data-chart="loss"]', "running job")
+    page.screenshot(path=str(REPORTS / "dashboard-running.png"), full_page=True)
+    page.click("#cancel")
+    expect(page.locator(".head .badge")).to_have_text("cancelled", timeout=30_000)
+    assert stack.http.get(f"/v1/jobs/{long_id}").json()["status"] == "cancelled"
+
+    # Back on the list, the queued job runs to the end.
+    page.click('[data-nav="jobs"]')
+    expect(short_row.locator(".badge")).to_have_text("running", timeout=60_000)
+    expect(short_row.locator(".badge")).to_have_text("succeeded", timeout=120_000)
+    expect(short_row.locator(".progress-label")).to_have_text("40/40")
+
+    # Its page: chart, timeline, checkpoints with the recorded sha256, both ranks' logs.
+    short_row.locator("a").click()
+    expect(page.locator(".head .badge")).to_have_text("succeeded")
+    _wait_for_line(page, '[data-chart="loss"]', "finished job")
+    expect(page.locator("#timeline tr")).to_have_count(3)  # submitted -> queued, running, succeeded
+    checkpoints = stack.http.get(f"/v1/jobs/{short_id}/checkpoints").json()["items"]
+    assert [c["step"] for c in checkpoints] == [20, 40], f"expected checkpoints at 20 and 40, got {checkpoints}"
+    for c in checkpoints:
+        expect(page.locator(f'#checkpoints tr[data-step="{c["step"]}"]')).to_contain_text(c["sha256"])
+    expect(page.locator("#latest-metrics")).to_contain_text("loss")
+    expect(page.locator("#logs")).to_contain_text("rank1|")
+    expect(page.locator("#cancel")).to_be_hidden()
+    page.screenshot(path=str(REPORTS / "dashboard.png"), full_page=True)
+
+    # The worker that ran them reports in.
+    page.click('[data-nav="workers"]')
+    expect(page.locator("#workers-body tr").first.locator(".badge")).to_have_text("alive", timeout=30_000)
+    page.screenshot(path=str(REPORTS / "dashboard-workers.png"), full_page=True)
+
+    # Sign out: the data is gone from the page.
+    page.click("#signout")
+    expect(page.locator("#signin-view")).to_be_visible()
+    expect(page.locator("#view")).to_be_hidden()
+    assert errors == [], f"expected no script errors in the page, got {errors}"
