@@ -18,6 +18,7 @@ from workers.engine.config import JobConfig
 from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
+from workers.engine.memory import checkpoint_activations
 from workers.engine.recipes import Plan
 
 CHECKPOINT_FORMAT = 1
@@ -44,6 +45,7 @@ class Trainer:
         self.dataset = plan.dataset if hasattr(plan.dataset, "batch") else MapDataset(plan.dataset)
         self.loss_fn = plan.loss_fn
         self.non_data_parallel = list(plan.non_data_parallel)
+        self.checkpoint_modules = plan.checkpoint_modules
         t = cfg.training
         # Weight decay lives in the optimizer, applied to the already rank-averaged gradient, so it is
         # the same at any world size (the Caffe2 "scale the loss, not the LR" lesson).
@@ -118,6 +120,7 @@ class Trainer:
         """Wrap for data parallelism; DDP construction broadcasts rank 0's parameters and buffers."""
         if self.env.world_size == 1:
             # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
+            self._checkpoint_activations()
             return
         if self.non_data_parallel:
             # DDP's own mechanism: these names are neither broadcast from rank 0 nor allreduced, so
@@ -129,6 +132,8 @@ class Trainer:
         if e.sync_batchnorm:
             # After resume (a plain BatchNorm state_dict loads either way) and before DDP sees the modules.
             self.model = convert_sync_batchnorm(self.model, self.device)
+        # After the SyncBN swap (it replaces modules) and before DDP sees the model.
+        self._checkpoint_activations()
         if e.buffers == "average":
             # Floating-point buffers only (BatchNorm running_mean/var): integer ones such as
             # num_batches_tracked advance identically on every rank, and a mean of ints would truncate.
@@ -147,6 +152,12 @@ class Trainer:
             # Either way DDP broadcasts rank 0's buffers once at construction.
             forward_sync_buffers=e.buffers == "broadcast",
         )
+
+    def _checkpoint_activations(self) -> None:
+        """engine.activation_checkpointing: recompute the chosen parts' activations in backward."""
+        if self.cfg.engine.activation_checkpointing:
+            parts = checkpoint_activations(self.model, self.checkpoint_modules)
+            print(f"activation checkpointing: {', '.join(parts) or 'nothing to checkpoint'}")
 
     def _average_buffers(self) -> None:
         """Replace every rank's floating-point buffers by their mean over ranks (one coalesced allreduce)."""

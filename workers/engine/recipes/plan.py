@@ -35,6 +35,9 @@ class Plan:
     - `lr_scheduler`: a factory `optimizer -> scheduler`, stepped once per optimizer step.
     - `non_data_parallel`: names (as in `model.named_parameters()` / buffers) that each rank keeps
       to itself: left out of the gradient allreduce and of the initial broadcast.
+    - `checkpoint_modules`: with `engine.activation_checkpointing`, which submodules recompute their
+      activations in backward (a predicate, outermost match wins); None for the engine's default (see
+      `workers.engine.memory.checkpoint_activations`).
     """
 
     model: nn.Module
@@ -43,3 +46,4 @@ class Plan:
     optimizer: OptimizerFactory | None = None
     lr_scheduler: SchedulerFactory | None = None
     non_data_parallel: Sequence[str] = ()
+    checkpoint_modules: Callable[[nn.Module], bool] | None = None
