@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -83,6 +83,55 @@ class CheckpointedForward:
         )
 
 
+class RecurrentSegments:
+    """Instance-level `forward` of an nn.LSTM/GRU/RNN: the sequence in round(sqrt(T)) time chunks.
+
+    Checkpointing a recurrent module whole would free its activations after the forward only to recompute
+    all of them at once in backward: the peak would not move. A recurrence can instead run chunk by chunk,
+    carrying its state: each chunk but the last is checkpointed, so backward recomputes one chunk at a time.
+    The forward is bitwise the same; weight gradients are summed per chunk first, so they agree with the
+    unchunked ones to float rounding (~1e-7 relative), not bitwise. Used only where chunking is exact:
+    unidirectional, no inter-layer dropout, a plain tensor input (not a PackedSequence).
+    """
+
+    def __init__(self, module: nn.RNNBase) -> None:
+        self.module = module
+        self.context_fn = _context_fn([module])
+
+    @staticmethod
+    def applies(module: nn.Module) -> bool:
+        """Whether `module` is a recurrence this class can split in time exactly."""
+        # Inter-layer dropout would draw its masks in a different order chunk by chunk.
+        rnn = isinstance(module, nn.RNNBase) and not module.bidirectional
+        return rnn and (module.dropout == 0 or module.num_layers == 1)
+
+    def _chunk(self, x: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        hx = None if not state else (state[0] if len(state) == 1 else (state[0], state[1]))
+        out, h = type(self.module).forward(self.module, x, hx)
+        return (out, *(h if isinstance(h, tuple) else (h,)))
+
+    def __call__(self, x: Any, hx: Any = None) -> Any:
+        if not isinstance(x, torch.Tensor):  # PackedSequence: time steps are interleaved, run it whole
+            return checkpoint(
+                type(self.module).forward, self.module, x, hx, use_reentrant=False, context_fn=self.context_fn
+            )
+        time_dim = 1 if self.module.batch_first and x.dim() == 3 else 0
+        chunks = x.split(segment_size(x.shape[time_dim]), dim=time_dim)
+        state: tuple[torch.Tensor, ...] = () if hx is None else (hx if isinstance(hx, tuple) else (hx,))
+        outs = []
+        for i, chunk in enumerate(chunks):
+            if i < len(chunks) - 1:
+                out, *rest = checkpoint(
+                    self._chunk, chunk, *state, use_reentrant=False, context_fn=self.context_fn
+                )
+            else:
+                out, *rest = self._chunk(chunk, *state)
+            outs.append(out)
+            state = tuple(rest)
+        h = state[0] if len(state) == 1 else (state[0], state[1])
+        return torch.cat(outs, dim=time_dim), h
+
+
 class SequentialSegments:
     """Instance-level `forward` of an nn.Sequential: contiguous segments, each but the last checkpointed.
 
@@ -118,6 +167,11 @@ def _run(modules: Sequence[nn.Module], x: Any) -> Any:
     return x
 
 
+def segment_size(n: int) -> int:
+    """Chunk length that cuts a sequence of `n` steps into about sqrt(n) chunks (the last may be shorter)."""
+    return max(1, n // max(1, round(math.sqrt(n))))
+
+
 def segment_bounds(n: int, segments: int | None = None) -> list[tuple[int, int]]:
     """Split `n` layers into `segments` (default round(sqrt(n))) contiguous runs; the last takes the rest.
 
@@ -132,7 +186,8 @@ def segment_bounds(n: int, segments: int | None = None) -> list[tuple[int, int]]
 
 
 def _is_applied(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), (CheckpointedForward, SequentialSegments))
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, (CheckpointedForward, RecurrentSegments, SequentialSegments))
 
 
 def checkpoint_activations(model: nn.Module, check_fn: CheckpointPolicy | None = None) -> list[str]:
@@ -142,16 +197,15 @@ def checkpoint_activations(model: nn.Module, check_fn: CheckpointPolicy | None =
     (nothing inside an accepted module is considered again), like torch's `apply_activation_checkpointing`.
     Without: an nn.Sequential is cut into round(sqrt(n)) segments (see `segment_bounds`); any other model
     has each direct child that holds parameters checkpointed. Modules containing a SyncBatchNorm are never
-    checkpointed. Idempotent: a second call changes nothing.
+    checkpointed. Idempotent: a second call changes nothing and returns the same list.
     """
     if _is_applied(model):
-        return []
+        return checkpointed_parts(model)
     if check_fn is None and isinstance(model, nn.Sequential):
         if len(model) < 2:
             return []
-        forward = SequentialSegments(model, segment_bounds(len(model)))
-        model.forward = forward  # type: ignore[method-assign]
-        return [f"segment {s}:{e}" for s, e, ckpt in forward.segments() if ckpt]
+        model.forward = SequentialSegments(model, segment_bounds(len(model)))  # type: ignore[method-assign]
+        return checkpointed_parts(model)
     if check_fn is None:
         holders = {id(c) for c in model.children() if any(True for _ in c.parameters())}
         check_fn = lambda m: id(m) in holders  # noqa: E731
@@ -159,8 +213,27 @@ def checkpoint_activations(model: nn.Module, check_fn: CheckpointPolicy | None =
     for name, module in model.named_modules():
         if module is model or any(name.startswith(d + ".") for d in done):
             continue
-        if not check_fn(module) or _is_applied(module) or _has_sync_batchnorm([module]):
-            continue
-        module.forward = CheckpointedForward(module)  # type: ignore[method-assign]
+        if not _is_applied(module):
+            if not check_fn(module) or _has_sync_batchnorm([module]):
+                continue
+            if RecurrentSegments.applies(module):
+                module.forward = RecurrentSegments(cast(nn.RNNBase, module))  # type: ignore[method-assign]
+            else:
+                module.forward = CheckpointedForward(module)  # type: ignore[method-assign]
         done.append(name)
-    return done
+    return checkpointed_parts(model)
+
+
+def checkpointed_parts(model: nn.Module) -> list[str]:
+    """What of `model` recomputes its activations: module names, or `segment start:end` of a Sequential."""
+    parts = []
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, SequentialSegments):
+            prefix = f"{name}." if name else ""
+            parts += [f"{prefix}segment {s}:{e}" for s, e, ckpt in forward.segments() if ckpt]
+        elif isinstance(forward, RecurrentSegments):
+            parts.append(f"{name} (in time chunks)")
+        elif isinstance(forward, CheckpointedForward):
+            parts.append(name)
+    return parts
