@@ -102,8 +102,9 @@ class RecurrentSegments:
     def applies(module: nn.Module) -> bool:
         """Whether `module` is a recurrence this class can split in time exactly."""
         # Inter-layer dropout would draw its masks in a different order chunk by chunk.
-        rnn = isinstance(module, nn.RNNBase) and not module.bidirectional
-        return rnn and (module.dropout == 0 or module.num_layers == 1)
+        if not isinstance(module, nn.RNNBase) or module.bidirectional:
+            return False
+        return module.dropout == 0 or module.num_layers == 1
 
     def _chunk(self, x: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         hx = None if not state else (state[0] if len(state) == 1 else (state[0], state[1]))
