@@ -243,7 +243,7 @@ class TestPolicy:
         got = checkpoint_activations(model)
         assert got == [], f"expected no segment holding a SyncBatchNorm to be checkpointed, got {got}"
 
-    def test_dropout_rng_is_replayed_and_copies_use_their_own_weights(self) -> None:
+    def test_dropout_rng_is_replayed(self) -> None:
         def grads(ckpt: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
             torch.manual_seed(5)
             layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.Dropout(0.5) for i in range(9)]
@@ -257,15 +257,25 @@ class TestPolicy:
         (out0, g0), (out1, g1) = grads(False), grads(True)
         assert torch.equal(out0, out1), "expected the same dropout masks in the checkpointed forward"
         assert all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True)), "expected bitwise-equal grads"
-        # A deep copy's recompute must run the copy's weights, not the original's.
-        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
-        checkpoint_activations(model)
+
+    @pytest.mark.parametrize("per_module", [False, True], ids=["segments", "per-module"])
+    def test_copies_recompute_their_own_modules(self, per_module: bool) -> None:
+        # A deep copy's (re)compute must use the copy's weights and buffers, never the original's.
+        model = cnn_bn.build_model(cnn_bn.CnnBnConfig())
+        checkpoint_activations(model, (lambda m: isinstance(m, nn.BatchNorm2d)) if per_module else None)
         twin = copy.deepcopy(model)
+        twin(torch.randn(4, 3, 8, 8)).sum().backward()
+        counts = [int(b) for n, b in twin.named_buffers() if n.endswith("num_batches_tracked")]
+        assert counts == [1, 1], f"expected each copy BatchNorm updated once, got {counts}"
+        original = [int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
+        assert original == [0, 0], f"expected the original untouched, got {original}"
         with torch.no_grad():
             for p in twin.parameters():
                 p.zero_()
-        x = torch.randn(2, 4)
-        assert torch.equal(twin(x), torch.zeros(2, 4)), "expected the copy to use its own (zeroed) weights"
+        out = twin(torch.randn(2, 3, 8, 8))
+        assert torch.equal(out, torch.zeros(2, 10)), (
+            f"expected the copy's zeroed weights to give 0, got {out}"
+        )
 
 
 # ---- gradients as bucket views (world 2, spawned gloo group) -----------------------------------------------

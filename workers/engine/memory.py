@@ -72,14 +72,14 @@ class CheckpointedForward:
     """Instance-level `forward` of a selected module: its class's forward under non-reentrant checkpoint."""
 
     def __init__(self, module: nn.Module) -> None:
-        # The module itself (not a bound method or closure), so copy.deepcopy rebinds it to the copy.
+        # The module itself (not a bound method or closure), so copy.deepcopy rebinds it to the copy; for the
+        # same reason the recompute context is built per call from self.module, never stored.
         self.module = module
-        self.context_fn = _context_fn([module])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = type(self.module).forward
         return checkpoint(
-            forward, self.module, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs
+            forward, self.module, *args, use_reentrant=False, context_fn=_context_fn([self.module]), **kwargs
         )
 
 
@@ -96,7 +96,6 @@ class RecurrentSegments:
 
     def __init__(self, module: nn.RNNBase) -> None:
         self.module = module
-        self.context_fn = _context_fn([module])
 
     @staticmethod
     def applies(module: nn.Module) -> bool:
@@ -112,19 +111,17 @@ class RecurrentSegments:
         return (out, *(h if isinstance(h, tuple) else (h,)))
 
     def __call__(self, x: Any, hx: Any = None) -> Any:
+        ctx = _context_fn([self.module])
         if not isinstance(x, torch.Tensor):  # PackedSequence: time steps are interleaved, run it whole
-            return checkpoint(
-                type(self.module).forward, self.module, x, hx, use_reentrant=False, context_fn=self.context_fn
-            )
+            forward = type(self.module).forward
+            return checkpoint(forward, self.module, x, hx, use_reentrant=False, context_fn=ctx)
         time_dim = 1 if self.module.batch_first and x.dim() == 3 else 0
         chunks = x.split(segment_size(x.shape[time_dim]), dim=time_dim)
         state: tuple[torch.Tensor, ...] = () if hx is None else (hx if isinstance(hx, tuple) else (hx,))
         outs = []
         for i, chunk in enumerate(chunks):
             if i < len(chunks) - 1:
-                out, *rest = checkpoint(
-                    self._chunk, chunk, *state, use_reentrant=False, context_fn=self.context_fn
-                )
+                out, *rest = checkpoint(self._chunk, chunk, *state, use_reentrant=False, context_fn=ctx)
             else:
                 out, *rest = self._chunk(chunk, *state)
             outs.append(out)
