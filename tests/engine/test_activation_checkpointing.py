@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
@@ -308,7 +309,7 @@ def _bucket_worker(rank: int, port: int, out_dir: str) -> None:
                     buckets[id(p)] = bucket.buffer().untyped_storage().data_ptr()
                 return allreduce_hook(state, bucket)  # DDP's own allreduce-and-average
 
-            trainer.train_model.register_comm_hook(None, hook)
+            cast(DistributedDataParallel, trainer.train_model).register_comm_hook(None, hook)
             checks = []
             for it in range(2):  # the second backward follows zero_grad(set_to_none=True)
                 buckets.clear()
