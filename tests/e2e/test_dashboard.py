@@ -1,4 +1,4 @@
-"""The dashboard in a real browser: Playwright drives Debian's Chromium against API + worker on Redis/PostgreSQL.
+"""The dashboard in a real browser: Playwright drives Debian's Chromium against a Redis + PostgreSQL stack.
 
 The stack has one worker with one slot, which makes the story deterministic: a long job holds the slot
 (running), a short job submitted after it waits (queued), the long job is cancelled from its detail page,
@@ -123,7 +123,8 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     _wait_for_line(page, '[data-chart="loss"]', "finished job")
     expect(page.locator("#timeline tr")).to_have_count(3)  # submitted -> queued, running, succeeded
     checkpoints = stack.http.get(f"/v1/jobs/{short_id}/checkpoints").json()["items"]
-    assert [c["step"] for c in checkpoints] == [20, 40], f"expected checkpoints at 20 and 40, got {checkpoints}"
+    steps = [c["step"] for c in checkpoints]
+    assert steps == [20, 40], f"expected checkpoints at steps 20 and 40, got {checkpoints}"
     for c in checkpoints:
         expect(page.locator(f'#checkpoints tr[data-step="{c["step"]}"]')).to_contain_text(c["sha256"])
     expect(page.locator("#latest-metrics")).to_contain_text("loss")

@@ -20,6 +20,7 @@ from workers.engine.data import GlobalBatchSampler, MapDataset
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
+from workers.engine.memory import checkpoint_activations
 from workers.engine.recipes import Plan
 from workers.engine.sharding import gather_state, optimizer_param_names, slice_state
 from workers.engine.sparse import (
@@ -60,6 +61,7 @@ class Trainer:
         self.sharded_params = [params[n] for n in self.sharded]
         # A rank's rows are its own: sharded parameters are never broadcast or allreduced.
         self.non_data_parallel = list(dict.fromkeys([*plan.non_data_parallel, *self.sharded]))
+        self.checkpoint_modules = plan.checkpoint_modules
         t = cfg.training
         # Weight decay lives in the optimizer, applied to the already rank-averaged gradient, so it is
         # the same at any world size (the Caffe2 "scale the loss, not the LR" lesson).
@@ -155,6 +157,7 @@ class Trainer:
         """Wrap for data parallelism; DDP construction broadcasts rank 0's parameters and buffers."""
         if self.env.world_size == 1:
             # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
+            self._checkpoint_activations()
             return
         e = self.cfg.engine
         # Sharded rows are clipped by the global norm (clipping.py); other rank-own params cannot be.
@@ -172,6 +175,8 @@ class Trainer:
         if e.sync_batchnorm:
             # After resume (a plain BatchNorm state_dict loads either way) and before DDP sees the modules.
             self.model = convert_sync_batchnorm(self.model, self.device)
+        # After the SyncBN swap (it replaces modules) and before DDP sees the model.
+        self._checkpoint_activations()
         if e.buffers == "average":
             # Floating-point buffers only (BatchNorm running_mean/var): integer ones such as
             # num_batches_tracked advance identically on every rank, and a mean of ints would truncate.
@@ -199,6 +204,12 @@ class Trainer:
                 warmup_steps=e.local_sgd_warmup_steps,
                 skip=self.non_data_parallel,
             )
+
+    def _checkpoint_activations(self) -> None:
+        """engine.activation_checkpointing: recompute the chosen parts' activations in backward."""
+        if self.cfg.engine.activation_checkpointing:
+            parts = checkpoint_activations(self.model, self.checkpoint_modules)
+            print(f"activation checkpointing: {', '.join(parts) or 'nothing to checkpoint'}")
 
     def _average_buffers(self) -> None:
         """Replace every rank's floating-point buffers by their mean over ranks (one coalesced allreduce)."""

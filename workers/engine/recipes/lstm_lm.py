@@ -95,7 +95,19 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def is_lstm(module: nn.Module) -> bool:
+    """The recipe's activation-checkpointing policy: only the LSTM.
+
+    The LSTM keeps gates and states for every time step; checkpointed, it keeps only its input. The
+    embedding saves just the token ids and the head just its input, which a checkpoint would keep anyway,
+    so recomputing those would cost time and free nothing.
+    """
+    return isinstance(module, nn.LSTM)
+
+
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
     cfg = LstmLmConfig.from_params(params)
-    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=lm_loss)
+    return Plan(
+        model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=lm_loss, checkpoint_modules=is_lstm
+    )

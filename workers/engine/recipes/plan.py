@@ -37,6 +37,9 @@ class Plan:
       to itself: left out of the gradient allreduce and of the initial broadcast.
     - `sharded`: names of parameters split by rows across ranks (`workers.engine.sharding.shard_range`):
       each rank's model holds only its rows; never data-parallel; checkpoints hold the whole tensor.
+    - `checkpoint_modules`: with `engine.activation_checkpointing`, which submodules recompute their
+      activations in backward (a predicate, outermost match wins); None for the engine's default (see
+      `workers.engine.memory.checkpoint_activations`).
     """
 
     model: nn.Module
@@ -46,3 +49,4 @@ class Plan:
     lr_scheduler: SchedulerFactory | None = None
     non_data_parallel: Sequence[str] = ()
     sharded: Sequence[str] = ()
+    checkpoint_modules: Callable[[nn.Module], bool] | None = None

@@ -1,0 +1,1 @@
+"""Standalone benchmarks of the engine (`python -m bench.<name>`); not part of the installed package."""
