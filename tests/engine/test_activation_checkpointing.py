@@ -12,22 +12,19 @@ import copy
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.config import JobConfig
@@ -282,57 +279,47 @@ class TestPolicy:
 # ---- gradients as bucket views (world 2, spawned gloo group) -----------------------------------------------
 
 
-def _bucket_worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
-    try:
-        results: dict[bool, list[tuple[dict[str, bool], int]]] = {}
-        for ckpt in (False, True):
-            spec = _spec("mlp", ckpt)
-            spec["hyperparameters"]["num_layers"] = NUM_LAYERS
-            spec["engine"]["bucket_cap_mb"] = 0.01  # several buckets, so a grad is checked against its own
-            torch.manual_seed(0)
-            plan = mlp.build({"dataset_size": 64, "num_layers": NUM_LAYERS}, 0)
-            env = D.DistEnv(rank=rank, world_size=2, launched=True)
-            cfg = JobConfig.from_spec(spec)
-            # No events or checkpoints: only wrap() and forward/backward run here.
-            trainer = Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
-            trainer.wrap()
-            buckets: dict[int, int] = {}  # id(param) -> data_ptr of the storage of its bucket's flat buffer
+def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
+    results: dict[bool, list[tuple[dict[str, bool], int]]] = {}
+    for ckpt in (False, True):
+        spec = _spec("mlp", ckpt)
+        spec["hyperparameters"]["num_layers"] = NUM_LAYERS
+        spec["engine"]["bucket_cap_mb"] = 0.01  # several buckets, so a grad is checked against its own
+        torch.manual_seed(0)
+        plan = mlp.build({"dataset_size": 64, "num_layers": NUM_LAYERS}, 0)
+        env = D.DistEnv(rank=rank, world_size=2, launched=True)
+        cfg = JobConfig.from_spec(spec)
+        # No events or checkpoints: only wrap() and forward/backward run here.
+        trainer = Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
+        trainer.wrap()
+        buckets: dict[int, int] = {}  # id(param) -> data_ptr of the storage of its bucket's flat buffer
 
-            # Unannotated on purpose: DDP refuses a hook whose bucket annotation is not dist.GradBucket, and
-            # under `from __future__ import annotations` every annotation is a string.
-            def hook(state, bucket, buckets=buckets):  # type: ignore[no-untyped-def]
-                for p in bucket.parameters():
-                    buckets[id(p)] = bucket.buffer().untyped_storage().data_ptr()
-                return allreduce_hook(state, bucket)  # DDP's own allreduce-and-average
+        # Unannotated on purpose: DDP refuses a hook whose bucket annotation is not dist.GradBucket, and
+        # under `from __future__ import annotations` every annotation is a string.
+        def hook(state, bucket, buckets=buckets):  # type: ignore[no-untyped-def]
+            for p in bucket.parameters():
+                buckets[id(p)] = bucket.buffer().untyped_storage().data_ptr()
+            return allreduce_hook(state, bucket)  # DDP's own allreduce-and-average
 
-            cast(DistributedDataParallel, trainer.train_model).register_comm_hook(None, hook)
-            checks = []
-            for it in range(2):  # the second backward follows zero_grad(set_to_none=True)
-                buckets.clear()
-                x, y = trainer.dataset.batch(trainer.sampler.local_indices(it, rank, 2), trainer.device)
-                trainer.loss_fn(trainer.train_model(x), y).backward()
-                in_bucket = {
-                    n: p.grad is not None and p.grad.untyped_storage().data_ptr() == buckets.get(id(p))
-                    for n, p in trainer.model.named_parameters()
-                }
-                checks.append((in_bucket, len(set(buckets.values()))))
-                trainer.optimizer.step()
-                trainer.optimizer.zero_grad(set_to_none=True)
-            results[ckpt] = checks
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        cast(DistributedDataParallel, trainer.train_model).register_comm_hook(None, hook)
+        checks = []
+        for it in range(2):  # the second backward follows zero_grad(set_to_none=True)
+            buckets.clear()
+            x, y = trainer.dataset.batch(trainer.sampler.local_indices(it, rank, 2), trainer.device)
+            trainer.loss_fn(trainer.train_model(x), y).backward()
+            in_bucket = {
+                n: p.grad is not None and p.grad.untyped_storage().data_ptr() == buckets.get(id(p))
+                for n, p in trainer.model.named_parameters()
+            }
+            checks.append((in_bucket, len(set(buckets.values()))))
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+        results[ckpt] = checks
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
 def test_gradients_are_views_of_ddp_buckets_at_world_2(tmp_path: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    mp.spawn(_bucket_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo(_bucket_worker, 2, str(tmp_path))
     for rank in range(2):
         for ckpt, checks in torch.load(tmp_path / f"rank{rank}.pt").items():
             for it, (check, n_buckets) in enumerate(checks):

@@ -8,18 +8,15 @@ after one real Trainer step, where the expected running stats can be computed ex
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.config import EngineConfig, JobConfig
@@ -147,54 +144,36 @@ def _trainer(env: D.DistEnv, **engine: Any) -> Trainer:
     return Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        results: dict[str, Any] = {}
-        # One SyncBatchNorm forward + backward on this rank's half of the batch.
-        model = convert_sync_batchnorm(_model(), torch.device("cpu"))
-        x, y = _batch()
-        local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-        xr = x[local].clone().requires_grad_(True)
-        out = model(xr)
-        nn.functional.cross_entropy(out, y[local]).backward()
-        results["sync"] = {
-            "out": out.detach(),
-            "input_grad": xr.grad,
-            "grads": {n: p.grad for n, p in model.named_parameters()},
-            "buffers": {n: b.clone() for n, b in model.named_buffers()},
-        }
-        # One real engine step per buffer mode.
-        env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
-        for mode in ("average", "broadcast"):
-            trainer = _trainer(env, buffers=mode)
-            trainer.wrap()
-            trainer._step(0)
-            results[mode] = {n: b.clone() for n, b in trainer.model.named_buffers()}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    results: dict[str, Any] = {}
+    # One SyncBatchNorm forward + backward on this rank's half of the batch.
+    model = convert_sync_batchnorm(_model(), torch.device("cpu"))
+    x, y = _batch()
+    local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    xr = x[local].clone().requires_grad_(True)
+    out = model(xr)
+    nn.functional.cross_entropy(out, y[local]).backward()
+    results["sync"] = {
+        "out": out.detach(),
+        "input_grad": xr.grad,
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+    }
+    # One real engine step per buffer mode.
+    env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
+    for mode in ("average", "broadcast"):
+        trainer = _trainer(env, buffers=mode)
+        trainer.wrap()
+        trainer._step(0)
+        results[mode] = {n: b.clone() for n, b in trainer.model.named_buffers()}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's saved results."""
     out = tmp_path_factory.mktemp("cnn_bn_spawn")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_gloo(_worker, WORLD, str(out))
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

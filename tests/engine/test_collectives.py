@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import functools
 import operator
-import socket
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.engine.spawn import spawn_gloo
 from workers.engine import collectives
 
 TOL = 1e-6
@@ -61,42 +59,24 @@ def _cases(world_size: int) -> dict[str, tuple[Callable[[torch.Tensor], torch.Te
     return cases
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        xs = _inputs(world_size)
-        results: dict[str, Any] = {}
-        for salt, (name, (ref_f, op)) in enumerate(sorted(_cases(world_size).items())):
-            x = xs[rank].clone().requires_grad_(True)
-            y = op(x)
-            w = _weights(world_size, tuple(ref_f(xs).shape), salt)[rank]
-            (w * y).sum().backward()
-            results[name] = {"out": y.detach(), "grad": x.grad, "input_untouched": torch.equal(x, xs[rank])}
-        try:  # unequal shapes must raise ValueError on every rank (and not hang any)
-            collectives.all_gather(torch.zeros(rank + 1, 2, dtype=torch.float64))
-            results["unequal_shapes_raised"] = False
-        except ValueError:
-            results["unequal_shapes_raised"] = True
-        after = collectives.all_reduce(torch.ones(2), "sum")  # the group still works afterwards
-        results["after_error_ok"] = bool(torch.equal(after, torch.full((2,), float(world_size))))
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        # Nobody tears the group down while a peer may still be finishing the last ring exchange.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _worker(rank: int, world_size: int, out_dir: str) -> None:
+    xs = _inputs(world_size)
+    results: dict[str, Any] = {}
+    for salt, (name, (ref_f, op)) in enumerate(sorted(_cases(world_size).items())):
+        x = xs[rank].clone().requires_grad_(True)
+        y = op(x)
+        w = _weights(world_size, tuple(ref_f(xs).shape), salt)[rank]
+        (w * y).sum().backward()
+        results[name] = {"out": y.detach(), "grad": x.grad, "input_untouched": torch.equal(x, xs[rank])}
+    try:  # unequal shapes must raise ValueError on every rank (and not hang any)
+        collectives.all_gather(torch.zeros(rank + 1, 2, dtype=torch.float64))
+        results["unequal_shapes_raised"] = False
+    except ValueError:
+        results["unequal_shapes_raised"] = True
+    after = collectives.all_reduce(torch.ones(2), "sum")  # the group still works afterwards
+    results["after_error_ok"] = bool(torch.equal(after, torch.full((2,), float(world_size))))
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    # Nobody tears the group down while a peer may still be finishing the last ring exchange.
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +87,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[di
     def run(world_size: int) -> list[dict[str, Any]]:
         if world_size not in cache:
             out = tmp_path_factory.mktemp(f"collectives_w{world_size}")
-            mp.spawn(_worker, args=(world_size, _free_port(), str(out)), nprocs=world_size, join=True)
+            spawn_gloo(_worker, world_size, str(out))
             cache[world_size] = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
         return cache[world_size]
 

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from pydantic import ValidationError
 
 from api_schemas.jobs import EngineOptions
+from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine.config import EngineConfig, JobConfig
 from workers.engine.local_sgd import averages_after
@@ -152,49 +149,31 @@ def _trainer(env: D.DistEnv, **engine: Any) -> Trainer:
 SPAWN_CASES = {"accum1": 1, "accum2": 2}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
-        results: dict[str, list[list[torch.Tensor]]] = {}
-        for case, accum in SPAWN_CASES.items():
-            trainer = _trainer(
-                env,
-                mode="local_sgd",
-                local_sgd_period=PERIOD,
-                local_sgd_warmup_steps=WARMUP,
-                grad_accumulation_steps=accum,
-            )
-            trainer.wrap()
-            results[case] = []
-            for it in range(STEPS):
-                trainer._step(it)
-                trainer.iter = it + 1
-                results[case].append([p.detach().clone() for p in trainer.model.parameters()])
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
+    results: dict[str, list[list[torch.Tensor]]] = {}
+    for case, accum in SPAWN_CASES.items():
+        trainer = _trainer(
+            env,
+            mode="local_sgd",
+            local_sgd_period=PERIOD,
+            local_sgd_warmup_steps=WARMUP,
+            grad_accumulation_steps=accum,
+        )
+        trainer.wrap()
+        results[case] = []
+        for it in range(STEPS):
+            trainer._step(it)
+            trainer.iter = it + 1
+            results[case].append([p.detach().clone() for p in trainer.model.parameters()])
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[list[torch.Tensor]]]]:
     """Each rank's parameters after every step, per case."""
     out = tmp_path_factory.mktemp("local_sgd_spawn")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_gloo(_worker, WORLD, str(out))
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

@@ -8,18 +8,15 @@ checkpoint's reassembled weight, elastic resume of a sharded checkpoint, and sha
 from __future__ import annotations
 
 import shutil
-import socket
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from tests.engine.spawn import spawn_gloo
 from workers.engine.recipes import partial_fc
 from workers.engine.sharding import shard_range
 
@@ -181,31 +178,14 @@ def _loss_and_grads(rank: int, world: int, sample_rate: float) -> dict[str, torc
     return {"loss": loss.detach(), "feature_grad": x.grad, "weight_grad": clf.weight.grad}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        out = {rate: _loss_and_grads(rank, world, rate) for rate in (1.0, 0.5)}
-        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    out = {rate: _loss_and_grads(rank, world, rate) for rate in (1.0, 0.5)}
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loss_and_gradients_equal_one_full_classifier(world: int, tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    spawn_gloo(_worker, world, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
     feats, weight, targets = _problem()

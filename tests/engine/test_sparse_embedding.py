@@ -9,19 +9,16 @@ full-batch gradient, and a Plan whose `non_data_parallel` parameter stays each r
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from api_schemas import JobSpec, spec_errors
+from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.config import JobConfig
@@ -222,51 +219,33 @@ def _step_capturing_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        results: dict[str, Any] = {"hand_made": _hand_made_grads(rank)}
-        env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
-        for mode in ("allgather", "dense"):
-            trainer = _recipe_trainer(env, sparse=mode, grad_clip_norm=None)
-            if rank == 1:
-                # DDP ignores the table, so only the engine's own broadcast can undo this.
-                trainer.model.state_dict()[TABLE].add_(1.0)
-            trainer.wrap()
-            results[mode] = _step_capturing_grads(trainer)
-        plan = _non_dp_plan()
-        with torch.no_grad():
-            plan.model.get_parameter("scale").fill_(1.0 + rank)  # ranks start apart; no broadcast may undo it
-        trainer = Trainer(
-            _cfg(False, grad_clip_norm=None), plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None)
-        )
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    results: dict[str, Any] = {"hand_made": _hand_made_grads(rank)}
+    env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
+    for mode in ("allgather", "dense"):
+        trainer = _recipe_trainer(env, sparse=mode, grad_clip_norm=None)
+        if rank == 1:
+            # DDP ignores the table, so only the engine's own broadcast can undo this.
+            trainer.model.state_dict()[TABLE].add_(1.0)
         trainer.wrap()
-        trainer._step(0)
-        results["non_dp"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        results[mode] = _step_capturing_grads(trainer)
+    plan = _non_dp_plan()
+    with torch.no_grad():
+        plan.model.get_parameter("scale").fill_(1.0 + rank)  # ranks start apart; no broadcast may undo it
+    trainer = Trainer(
+        _cfg(False, grad_clip_norm=None), plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None)
+    )
+    trainer.wrap()
+    trainer._step(0)
+    results["non_dp"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's saved results."""
     out = tmp_path_factory.mktemp("sparse_spawn")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_gloo(_worker, WORLD, str(out))
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
