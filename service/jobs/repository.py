@@ -123,7 +123,10 @@ def transitions(session: Session, *, job_id: str) -> Sequence[JobTransition]:
 
 
 def fenced_update(session: Session, *, job_id: str, claim_token: str, values: dict[str, Any]) -> bool:
-    """Update a running job's progress fields only if `claim_token` still owns it."""
+    """Update a running job's progress fields only if `claim_token` still owns it (no values: just check)."""
+    if not values:
+        owner = select(Job.id).where(Job.id == job_id, Job.claim_token == claim_token)
+        return session.execute(owner).first() is not None
     stmt = update(Job).where(Job.id == job_id, Job.claim_token == claim_token).values(**values)
     return (session.execute(stmt).rowcount or 0) > 0  # type: ignore[attr-defined]
 
