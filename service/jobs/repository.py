@@ -196,7 +196,8 @@ def _downsampled_pg(
         select(Metric.step, Metric.value)
         .where(*where, Metric.name == name)
         .ext(distinct_on(Metric.step))
-        .order_by(Metric.step, Metric.id.desc())
+        # Both descending: a backward scan of (job_id, name, step, id), no sort.
+        .order_by(Metric.step.desc(), Metric.id.desc())
         .subquery()
     )
     buckets = max_points // 2

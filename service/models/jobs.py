@@ -75,7 +75,9 @@ class JobTransition(Base):
 class Metric(Base):
     __tablename__ = "metrics"
     __table_args__ = (
-        Index("ix_metrics_job_name_step", "job_id", "name", "step"),
+        # A series in (step, id) order straight from the index: "last write of a step wins" and
+        # downsampling need no sort.
+        Index("ix_metrics_job_name_step_id", "job_id", "name", "step", "id"),
         # The event stream reads "points after the last id it sent" of one job.
         Index("ix_metrics_job_id_id", "job_id", "id"),
     )
