@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 
 from api_schemas import (
     CheckpointList,
@@ -25,7 +25,7 @@ from api_schemas import (
 from service.deps import CurrentUser, DispatcherDep, SessionDep, SettingsDep, after_commit
 from service.errors import NotFound, Unauthorized, error_responses
 from service.etag import conditional_json
-from service.jobs import repository, service
+from service.jobs import events, repository, service
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized))
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
@@ -160,6 +160,40 @@ def get_logs(
         rows = list(repository.log_lines(session, job_id=job_id, after=after, rank=rank, limit=size))
     items = [LogLine(id=r.id, rank=r.rank, attempt=r.attempt, line=r.line) for r in rows]
     return LogPage(items=items, next_cursor=items[-1].id if items else after)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses=error_responses(NotFound) | {200: {"content": {"text/event-stream": {}}}},
+)
+def job_events(
+    job_id: str,
+    request: Request,
+    session: SessionDep,
+    user: CurrentUser,
+    settings: SettingsDep,
+    since_step: Annotated[
+        int | None, Query(ge=-1, description="First metrics event: points after it.")
+    ] = None,
+    max_points: Annotated[
+        int | None, Query(ge=2, le=100_000, description="First metrics event: downsampled to this.")
+    ] = None,
+) -> StreamingResponse:
+    """Server-sent events of a job (`job`, `metrics`, `checkpoint`, then `end`) until it finishes."""
+    # 404 before the stream starts; the request's session is closed once this returns, and each
+    # poll of the stream opens its own.
+    service.get_visible(session, user=user, job_id=job_id)
+    state = events.StreamState(job_id=job_id, since_step=since_step, max_points=max_points)
+    # Starlette's StreamingResponse, not sse-starlette: it already stops the generator when the
+    # client disconnects, and the keep-alive comment must follow silence, not a fixed clock.
+    return StreamingResponse(
+        events.stream(
+            sessions=request.app.state.session_factory, state=state, poll_seconds=settings.sse_poll_seconds
+        ),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(NotFound))
