@@ -14,6 +14,7 @@ from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.errors import install_error_handler
 from service.jobs.router import router as jobs_router
+from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | Non
     app.state.dispatcher = dispatcher or CeleryDispatcher(settings)
     install_error_handler(app)
     app.include_router(jobs_router)
+    app.include_router(workers_router)
 
     @app.get("/healthz", tags=["ops"])
     def healthz() -> dict[str, str]:
