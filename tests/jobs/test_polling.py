@@ -55,6 +55,12 @@ class TestETag:
         r = client.get("/v1/jobs", headers={"If-None-Match": etag})
         assert r.status_code == 200, f"expected 200 after progress, got {r.status_code}"
         assert r.json()["items"][0]["progress"]["step"] == 2
+        # So is a stop request on a running job (no status change, only cancel_requested).
+        etag, updated = r.headers["etag"], r.json()["items"][0]["updated_at"]
+        client.post(f"/v1/jobs/{job['id']}/cancel")
+        r = client.get("/v1/jobs", headers={"If-None-Match": etag})
+        assert r.status_code == 200, f"expected 200 after a cancel request, got {r.status_code}"
+        assert r.json()["items"][0]["updated_at"] > updated, "a cancel request moves updated_at"
 
 
 class TestListFilters:
