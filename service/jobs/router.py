@@ -185,8 +185,9 @@ def job_events(
     # poll of the stream opens its own.
     service.get_visible(session, user=user, job_id=job_id)
     state = events.StreamState(job_id=job_id, since_step=since_step, max_points=max_points)
-    # Starlette's StreamingResponse, not sse-starlette: it already stops the generator when the
-    # client disconnects, and the keep-alive comment must follow silence, not a fixed clock.
+    # Starlette's StreamingResponse, not sse-starlette: it already cancels the generator when the
+    # client disconnects (under uvicorn at once; under ASGI 2.4 servers at the next write, a
+    # keep-alive at the latest), and the keep-alive comment must follow silence, not a clock.
     return StreamingResponse(
         events.stream(
             sessions=request.app.state.session_factory, state=state, poll_seconds=settings.sse_poll_seconds
