@@ -115,20 +115,24 @@ def metric_series(
 
     The last value wins if an attempt re-reported a step; `up_to_id` leaves out later points.
     """
+    # Querying by explicit names lets the (job_id, name, step, id) index jump straight to each
+    # series' `since_step`, where "job_id = ? AND step > ?" would walk every point of the job.
+    names = names or series_names(session, job_id=job_id)
+    if not names:
+        return {}
     if max_points is None:
         return _raw_series(session, job_id=job_id, since_step=since_step, names=names, up_to_id=up_to_id)
     where = _metric_filter(job_id=job_id, since_step=since_step, up_to_id=up_to_id)
-    stats = select(Metric.name, func.count(), func.min(Metric.step), func.max(Metric.step)).where(*where)
-    if names:
-        stats = stats.where(Metric.name.in_(names))
-    sizes = {name: (n, lo, hi) for name, n, lo, hi in session.execute(stats.group_by(Metric.name))}
-    small = [name for name, (n, _, _) in sizes.items() if n <= max_points]
+    extents = {
+        name: _extent(session, where=[*where, Metric.name == name], cap=max_points + 1) for name in names
+    }
+    small = [name for name, (n, _, _) in extents.items() if 0 < n <= max_points]
     out = (
         _raw_series(session, job_id=job_id, since_step=since_step, names=small, up_to_id=up_to_id)
         if small
         else {}
     )
-    for name, (n, lo, hi) in sizes.items():
+    for name, (n, lo, hi) in extents.items():
         if n <= max_points:
             continue
         if _is_postgresql(session):
@@ -138,6 +142,26 @@ def metric_series(
             raw = _raw_series(session, job_id=job_id, since_step=since_step, names=[name], up_to_id=up_to_id)
             out[name] = downsample(raw.get(name, []), max_points=max_points)
     return dict(sorted(out.items()))
+
+
+def series_names(session: Session, *, job_id: str) -> list[str]:
+    """The job's metric names, one index probe per name (a loose index scan) however long the series."""
+    names = select(func.min(Metric.name).label("name")).where(Metric.job_id == job_id).cte(recursive=True)
+    after = select(func.min(Metric.name)).where(Metric.job_id == job_id, Metric.name > names.c.name)
+    names = names.union_all(select(after.scalar_subquery()).where(names.c.name.is_not(None)))
+    return [n for n in session.execute(select(names.c.name)).scalars() if n is not None]
+
+
+def _extent(session: Session, *, where: list[ColumnElement[bool]], cap: int) -> tuple[int, int, int]:
+    """(points up to `cap`, first step, last step) of one series: index probes, never a full count."""
+    capped = select(Metric.id).where(*where).limit(cap).subquery()
+    stmt = select(
+        select(func.count()).select_from(capped).scalar_subquery(),
+        select(func.min(Metric.step)).where(*where).scalar_subquery(),
+        select(func.max(Metric.step)).where(*where).scalar_subquery(),
+    )
+    n, lo, hi = session.execute(stmt).one()
+    return int(n), int(lo or 0), int(hi or 0)
 
 
 def _metric_filter(*, job_id: str, since_step: int | None, up_to_id: int | None) -> list[ColumnElement[bool]]:
