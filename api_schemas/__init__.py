@@ -17,8 +17,11 @@ from api_schemas.jobs import (
     MetricSeries,
     Progress,
     Resources,
+    Timeline,
+    Transition,
 )
 from api_schemas.recipes import RECIPES, spec_errors
+from api_schemas.workers import Worker, WorkerList
 
 __all__ = [
     "RECIPES",
@@ -38,5 +41,9 @@ __all__ = [
     "MetricSeries",
     "Progress",
     "Resources",
+    "Timeline",
+    "Transition",
+    "Worker",
+    "WorkerList",
     "spec_errors",
 ]

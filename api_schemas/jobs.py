@@ -208,6 +208,22 @@ class CheckpointList(BaseModel):
     items: list[CheckpointInfo]
 
 
+class Transition(BaseModel):
+    """One status change of a job (`from_status` null: its submission)."""
+
+    at: datetime
+    from_status: JobStatus | None
+    to_status: JobStatus
+    attempt: int
+    reason: str | None
+
+
+class Timeline(BaseModel):
+    """A job's status changes, oldest first."""
+
+    items: list[Transition]
+
+
 class ErrorBody(BaseModel):
     """Every non-validation error answers `{"error": <type>, "detail": <message>}`."""
 

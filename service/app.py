@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings, get_settings
@@ -15,6 +16,9 @@ from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.errors import install_error_handler
 from service.jobs.router import router as jobs_router
+from service.ops.metrics import DatabaseCollector, RequestLatency, request_histogram
+from service.ops.router import router as ops_router
+from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,13 @@ def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | Non
     app.state.session_factory = session_factory(settings)
     app.state.dispatcher = dispatcher or CeleryDispatcher(settings)
     install_error_handler(app)
+    # A registry per app, not prometheus_client's global one: tests build many apps in one process.
+    app.state.metrics_registry = CollectorRegistry()
+    app.state.metrics_registry.register(DatabaseCollector(lambda: app.state.session_factory()))
+    app.add_middleware(RequestLatency, histogram=request_histogram(app.state.metrics_registry))
     app.include_router(jobs_router)
+    app.include_router(workers_router)
+    app.include_router(ops_router)
     install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])

@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     # Republish a queued job nobody has claimed after this long (a lost publish); checked this often.
     republish_after_seconds: float = 600.0
     reconcile_interval_seconds: float = 60.0
+    # How often each worker process refreshes its row in `workers`; lost after 3 missed beats.
+    worker_heartbeat_seconds: float = 5.0
 
     # Module prefixes whose `package.module:function` a job's `entrypoint` may name, comma-separated.
     # Empty: no user code runs at all.
@@ -36,6 +38,8 @@ class Settings(BaseSettings):
     # API
     max_page_size: int = 200
     default_page_size: int = 50
+    # How often an open `GET /v1/jobs/{id}/events` stream looks at the database.
+    sse_poll_seconds: float = 1.0
 
     # Client (CLI)
     api_url: str = "http://127.0.0.1:8000"

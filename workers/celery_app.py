@@ -23,14 +23,17 @@ app.conf.update(
 
 
 _reconciler: Any = None
+_heartbeat: Any = None
 
 
 @worker_ready.connect
-def _start_reconciler(**_: Any) -> None:
-    global _reconciler
+def _start_reconciler(sender: Any = None, **_: Any) -> None:
+    global _reconciler, _heartbeat
     from service.db import session_factory
-    from service.dispatch import CeleryDispatcher
+    from service.dispatch import CeleryDispatcher, queue_for
+    from workers.heartbeat import Heartbeat
     from workers.reconciler import Reconciler
+    from workers.runner import worker_name
 
     _reconciler = Reconciler(
         sessions=session_factory(settings),
@@ -39,9 +42,24 @@ def _start_reconciler(**_: Any) -> None:
         interval=settings.reconcile_interval_seconds,
     )
     _reconciler.start()
+    # `sender` is the worker's consumer: its queues tell the device kind, its controller the slots.
+    queues = set(getattr(getattr(sender, "task_consumer", None), "queues", None) or [])
+    names = {getattr(q, "name", q) for q in queues}
+    slots = getattr(getattr(sender, "controller", None), "concurrency", None) or settings.worker_concurrency
+    _heartbeat = Heartbeat(
+        sessions=session_factory(settings),
+        name=worker_name(),  # what lifecycle.claim writes into jobs.worker
+        device="cuda" if queue_for(settings.queue, "cuda") in names else "cpu",
+        slots=int(slots),
+        interval=settings.worker_heartbeat_seconds,
+    )
+    _heartbeat.start()
 
 
 @worker_shutdown.connect
 def _stop_reconciler(**_: Any) -> None:
     if _reconciler is not None:
         _reconciler.stopped.set()
+    if _heartbeat is not None:
+        _heartbeat.stopped.set()
+        _heartbeat.join(timeout=5)

@@ -131,9 +131,11 @@ class Reporter:
                 for row in self._checkpoints:
                     repository.upsert_checkpoint(session, row=row)
                 repository.delete_checkpoints(session, job_id=self.job_id, paths=self._deleted)
-                values: dict[str, Any] = {"updated_at": utcnow()}
+                # Only a change a client can see touches the job row (and so its updated_at, which
+                # ETags and event streams follow); a quiet tick just checks the fence.
+                values: dict[str, Any] = {}
                 if self._progress_dirty:
-                    values |= {"step": self.state.step, "latest_metrics": dict(self.state.latest_metrics)}
+                    values = {"step": self.state.step, "latest_metrics": dict(self.state.latest_metrics)}
                 if not repository.fenced_update(
                     session, job_id=self.job_id, claim_token=self.claim_token, values=values
                 ):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 
 from api_schemas import (
     CheckpointList,
@@ -18,13 +19,16 @@ from api_schemas import (
     LogLine,
     LogPage,
     MetricSeries,
+    Timeline,
     spec_errors,
 )
 from service.deps import CurrentUser, DispatcherDep, SessionDep, SettingsDep, after_commit
 from service.errors import NotFound, Unauthorized, error_responses
-from service.jobs import repository, service
+from service.etag import conditional_json
+from service.jobs import events, repository, service
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized))
+_NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=Job)
@@ -40,29 +44,60 @@ def submit_job(
     return service.to_schema(job, owner=user.name)
 
 
-@router.get("", response_model=JobList)
+def _invalid_query(field: str, message: str, value: object) -> RequestValidationError:
+    return RequestValidationError(
+        [{"type": "value_error", "loc": ("query", field), "msg": message, "input": value}]
+    )
+
+
+@router.get("", response_model=JobList, responses=_NOT_MODIFIED)
 def list_jobs(
+    request: Request,
     session: SessionDep,
     user: CurrentUser,
     settings: SettingsDep,
     limit: Annotated[int | None, Query(ge=1)] = None,
     cursor: str | None = None,
     status: JobStatus | None = None,
-) -> JobList:
+    label: Annotated[
+        list[str] | None, Query(description="`key=value`, repeatable: jobs carrying all of them.")
+    ] = None,
+    updated_since: Annotated[
+        datetime | None, Query(description="Only jobs whose `updated_at` is strictly later.")
+    ] = None,
+) -> Response:
     """List jobs newest first; pass `next_cursor` back as `cursor` for the next page."""
     size = min(limit or settings.default_page_size, settings.max_page_size)
     try:
-        return service.list_jobs(session, user=user, limit=size, cursor=cursor, status=status)
+        labels = service.parse_labels(label or [])
     except ValueError as exc:
-        raise RequestValidationError(
-            [{"type": "value_error", "loc": ("query", "cursor"), "msg": str(exc), "input": cursor}]
-        ) from exc
+        raise _invalid_query("label", str(exc), label) from exc
+    try:
+        page = service.list_jobs(
+            session,
+            user=user,
+            limit=size,
+            cursor=cursor,
+            status=status,
+            labels=labels,
+            updated_since=updated_since,
+        )
+    except ValueError as exc:
+        raise _invalid_query("cursor", str(exc), cursor) from exc
+    return conditional_json(request, page)
 
 
-@router.get("/{job_id}", response_model=Job, responses=error_responses(NotFound))
-def get_job(job_id: str, session: SessionDep, user: CurrentUser) -> Job:
-    """One job."""
-    return service.present(session, jobs=[service.get_visible(session, user=user, job_id=job_id)])[0]
+@router.get("/{job_id}", response_model=Job, responses=error_responses(NotFound) | _NOT_MODIFIED)
+def get_job(job_id: str, request: Request, session: SessionDep, user: CurrentUser) -> Response:
+    """One job; answers 304 when `If-None-Match` holds its current ETag."""
+    job = service.present(session, jobs=[service.get_visible(session, user=user, job_id=job_id)])[0]
+    return conditional_json(request, job)
+
+
+@router.get("/{job_id}/timeline", response_model=Timeline, responses=error_responses(NotFound))
+def get_timeline(job_id: str, session: SessionDep, user: CurrentUser) -> Timeline:
+    """The job's status changes, oldest first."""
+    return service.timeline(session, user=user, job_id=job_id)
 
 
 @router.post("/{job_id}/cancel", response_model=Job, responses=error_responses(NotFound))
@@ -79,11 +114,24 @@ def get_metrics(
     user: CurrentUser,
     since_step: Annotated[int | None, Query(ge=-1)] = None,
     name: Annotated[str | None, Query(description="Comma-separated metric names.")] = None,
+    max_points: Annotated[
+        int | None,
+        Query(
+            ge=2,
+            le=100_000,
+            description="Downsample longer series: the min and max point of each of max_points // 2 "
+            "equal-width step buckets (global min and max always kept).",
+        ),
+    ] = None,
 ) -> MetricSeries:
     """Metric series of a job, `[step, value]` per name, optionally only after `since_step`."""
     service.get_visible(session, user=user, job_id=job_id)
     series = repository.metric_series(
-        session, job_id=job_id, since_step=since_step, names=[n for n in (name or "").split(",") if n]
+        session,
+        job_id=job_id,
+        since_step=since_step,
+        names=[n for n in (name or "").split(",") if n],
+        max_points=max_points,
     )
     return MetricSeries(job_id=job_id, series=series)
 
@@ -97,13 +145,56 @@ def get_logs(
     after: Annotated[int | None, Query(ge=0, description="Cursor: the last line id already read.")] = None,
     rank: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int | None, Query(ge=1)] = None,
+    tail: Annotated[
+        int | None, Query(ge=1, le=10_000, description="The last `tail` lines instead; not with `after`.")
+    ] = None,
 ) -> LogPage:
-    """Per-rank output of a job, in order, from the cursor on."""
+    """Per-rank output of a job, in order, from the cursor on (or its last `tail` lines)."""
+    if tail is not None and after is not None:
+        raise _invalid_query("tail", "tail and after cannot be used together", tail)
     service.get_visible(session, user=user, job_id=job_id)
-    size = min(limit or 1000, 10 * settings.max_page_size)
-    rows = repository.log_lines(session, job_id=job_id, after=after, rank=rank, limit=size)
+    if tail is not None:
+        rows = repository.log_tail(session, job_id=job_id, rank=rank, tail=tail)
+    else:
+        size = min(limit or 1000, 10 * settings.max_page_size)
+        rows = list(repository.log_lines(session, job_id=job_id, after=after, rank=rank, limit=size))
     items = [LogLine(id=r.id, rank=r.rank, attempt=r.attempt, line=r.line) for r in rows]
     return LogPage(items=items, next_cursor=items[-1].id if items else after)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses=error_responses(NotFound) | {200: {"content": {"text/event-stream": {}}}},
+)
+def job_events(
+    job_id: str,
+    request: Request,
+    session: SessionDep,
+    user: CurrentUser,
+    settings: SettingsDep,
+    since_step: Annotated[
+        int | None, Query(ge=-1, description="First metrics event: points after it.")
+    ] = None,
+    max_points: Annotated[
+        int | None, Query(ge=2, le=100_000, description="First metrics event: downsampled to this.")
+    ] = None,
+) -> StreamingResponse:
+    """Server-sent events of a job (`job`, `metrics`, `checkpoint`, then `end`) until it finishes."""
+    # 404 before the stream starts; the request's session is closed once this returns, and each
+    # poll of the stream opens its own.
+    service.get_visible(session, user=user, job_id=job_id)
+    state = events.StreamState(job_id=job_id, since_step=since_step, max_points=max_points)
+    # Starlette's StreamingResponse, not sse-starlette: it already cancels the generator when the
+    # client disconnects (under uvicorn at once; under ASGI 2.4 servers at the next write, a
+    # keep-alive at the latest), and the keep-alive comment must follow silence, not a clock.
+    return StreamingResponse(
+        events.stream(
+            sessions=request.app.state.session_factory, state=state, poll_seconds=settings.sse_poll_seconds
+        ),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(NotFound))

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 from sqlalchemy.orm import Session
 
-from api_schemas import CheckpointInfo, Job, JobError, JobList, JobSpec, JobStatus, Progress
+from api_schemas import (
+    CheckpointInfo,
+    Job,
+    JobError,
+    JobList,
+    JobSpec,
+    JobStatus,
+    Progress,
+    Timeline,
+    Transition,
+)
 from api_schemas.recipes import recipe_params
 from service.errors import InvalidTransition, NotFound
 from service.jobs import lifecycle, repository
@@ -79,16 +90,27 @@ def present(session: Session, *, jobs: Sequence[JobRow]) -> list[Job]:
 
 
 def list_jobs(
-    session: Session, *, user: User, limit: int, cursor: str | None, status: JobStatus | None
+    session: Session,
+    *,
+    user: User,
+    limit: int,
+    cursor: str | None,
+    status: JobStatus | None,
+    labels: dict[str, str] | None = None,
+    updated_since: datetime | None = None,
 ) -> JobList:
     """A page of the jobs the user may see, newest first."""
     after = repository.decode_cursor(cursor) if cursor else None
+    if updated_since is not None and updated_since.tzinfo is None:
+        updated_since = updated_since.replace(tzinfo=UTC)  # a time without offset means UTC
     rows = repository.list_page(
         session,
         owner_id=_visible_owner(user),
         limit=limit + 1,
         after=after,
         status=status.value if status else None,
+        labels=labels,
+        updated_since=updated_since,
     )
     page, more = list(rows[:limit]), len(rows) > limit
     return JobList(
@@ -141,3 +163,32 @@ def get_checkpoint(session: Session, *, user: User, job_id: str, checkpoint_id: 
 def metric_names(query: str | None) -> list[str] | None:
     """Parse a comma-separated `name` filter."""
     return [n for n in query.split(",") if n] if query else None
+
+
+def parse_labels(pairs: list[str]) -> dict[str, str]:
+    """`key=value` filters as a dict; ValueError naming the first malformed one."""
+    labels: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"label filter {pair!r} is not key=value")
+        labels[key] = value
+    return labels
+
+
+def timeline(session: Session, *, user: User, job_id: str) -> Timeline:
+    """The status changes of a visible job, oldest first."""
+    get_visible(session, user=user, job_id=job_id)
+    rows = repository.transitions(session, job_id=job_id)
+    return Timeline(
+        items=[
+            Transition(
+                at=t.at,
+                from_status=JobStatus(t.from_status) if t.from_status else None,
+                to_status=JobStatus(t.to_status),
+                attempt=t.attempt,
+                reason=t.reason,
+            )
+            for t in rows
+        ]
+    )

@@ -3,5 +3,6 @@
 from service.models.base import Base
 from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric
 from service.models.users import ApiToken, User
+from service.models.workers import Worker
 
-__all__ = ["ApiToken", "Base", "Checkpoint", "Job", "JobTransition", "LogLine", "Metric", "User"]
+__all__ = ["ApiToken", "Base", "Checkpoint", "Job", "JobTransition", "LogLine", "Metric", "User", "Worker"]

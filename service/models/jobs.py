@@ -17,7 +17,18 @@ class Job(Base):
         # Keyset pagination, newest first, per owner and overall.
         Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
         Index("ix_jobs_created", "created_at", "id"),
-        Index("ix_jobs_status", "status"),
+        # Counts by status, and a status-filtered page in keyset order without a sort.
+        Index("ix_jobs_status_created", "status", "created_at", "id"),
+        # `updated_since` polling, and the start-delay histogram of /metrics.
+        Index("ix_jobs_updated_at", "updated_at"),
+        Index("ix_jobs_started_at", "started_at"),
+        # `label=k=v` filters use `labels @> {...}`; a GIN index only exists on PostgreSQL.
+        Index(
+            "ix_jobs_labels",
+            "labels",
+            postgresql_using="gin",
+            postgresql_ops={"labels": "jsonb_path_ops"},
+        ).ddl_if(dialect="postgresql"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -29,7 +40,9 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(default=0)
     labels: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Bumped by every UPDATE (onupdate), so ETags, `updated_since` and the event stream see every
+    # change a client can see, whichever code path made it.
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     attempt: Mapped[int] = mapped_column(default=0)
@@ -61,7 +74,13 @@ class JobTransition(Base):
 
 class Metric(Base):
     __tablename__ = "metrics"
-    __table_args__ = (Index("ix_metrics_job_name_step", "job_id", "name", "step"),)
+    __table_args__ = (
+        # A series in (step, id) order straight from the index: "last write of a step wins" and
+        # downsampling need no sort.
+        Index("ix_metrics_job_name_step_id", "job_id", "name", "step", "id"),
+        # The event stream reads "points after the last id it sent" of one job.
+        Index("ix_metrics_job_id_id", "job_id", "id"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))

@@ -1,0 +1,31 @@
+"""Conditional GETs: an ETag derived from the exact body, and 304 when the client already has it."""
+
+from __future__ import annotations
+
+import hashlib
+
+from fastapi import Request, Response
+from pydantic import BaseModel
+
+
+def etag_of(body: bytes) -> str:
+    """A strong ETag: the body's hash, so it changes exactly when the answer does."""
+    return '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+
+
+def _matches(if_none_match: str, etag: str) -> bool:
+    # RFC 9110: If-None-Match uses the weak comparison, and `*` matches any current representation.
+    if if_none_match.strip() == "*":
+        return True
+    return any(tag.strip().removeprefix("W/") == etag for tag in if_none_match.split(","))
+
+
+def conditional_json(request: Request, model: BaseModel) -> Response:
+    """`model` as JSON with its ETag, or 304 with no body when `If-None-Match` names that ETag."""
+    body = model.model_dump_json().encode()
+    etag = etag_of(body)
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if_none_match = request.headers.get("if-none-match")
+    if if_none_match and _matches(if_none_match, etag):
+        return Response(status_code=304, headers=headers)
+    return Response(content=body, media_type="application/json", headers=headers)

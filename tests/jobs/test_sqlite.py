@@ -1,0 +1,60 @@
+"""The embedded service's database (SQLite): the polling features work there too, by slower paths."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from migrations import upgrade
+from service.app import create_app
+from service.config import Settings
+from service.models import Metric
+from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher
+from tests.jobs.test_router import _submit
+
+
+@pytest.fixture
+def sqlite_client(tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
+        broker_url="memory://",
+        artifact_root=tmp_path / "artifacts",
+        bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
+        sse_poll_seconds=0.01,
+    )
+    upgrade(settings.database_url)
+    app = create_app(settings, dispatcher=RecordingDispatcher())
+    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
+        yield c
+
+
+def test_filters_downsampling_and_events_on_sqlite(sqlite_client: TestClient) -> None:
+    c = sqlite_client
+    a = _submit(c, labels={"team": "vision", "tier": "gold"})
+    b = _submit(c, labels={"team": "vision"})
+    ids = [
+        j["id"]
+        for j in c.get("/v1/jobs", params=[("label", "team=vision"), ("label", "tier=gold")]).json()["items"]
+    ]
+    assert ids == [a["id"]], f"label filter on SQLite: expected only {a['id']}, got {ids}"
+    since = c.get(f"/v1/jobs/{a['id']}").json()["updated_at"]
+    c.post(f"/v1/jobs/{b['id']}/cancel")
+    ids = [j["id"] for j in c.get("/v1/jobs", params={"updated_since": since}).json()["items"]]
+    assert ids == [b["id"]], f"updated_since on SQLite: expected only the cancelled job, got {ids}"
+
+    sessions = c.app.state.session_factory  # type: ignore[attr-defined]
+    with sessions.begin() as s:
+        s.add_all(
+            [Metric(job_id=a["id"], attempt=1, name="loss", step=i, value=float(i % 17)) for i in range(300)]
+        )
+    got = c.get(f"/v1/jobs/{a['id']}/metrics", params={"max_points": 20}).json()["series"]["loss"]
+    values = [v for _, v in got]
+    assert len(got) <= 20 and min(values) == 0.0 and max(values) == 16.0, f"downsampling on SQLite: {got}"
+
+    c.post(f"/v1/jobs/{a['id']}/cancel")
+    with c.stream("GET", f"/v1/jobs/{a['id']}/events") as r:
+        kinds = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds == ["job", "metrics", "end"], f"events of a finished job on SQLite, got {kinds}"

@@ -1,0 +1,50 @@
+"""Worker heartbeats: a beating worker is alive with its slots; one that stops beating is lost."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.jobs import lifecycle
+from service.models import Worker
+from service.models.base import utcnow
+from tests.jobs.test_router import _submit
+from workers.heartbeat import Heartbeat
+
+
+def test_heartbeat_then_alive_then_lost(
+    client: TestClient, sessions: sessionmaker[Session], db: Session
+) -> None:
+    heartbeat = Heartbeat(sessions=sessions, name="host-a:42", device="cpu", slots=2, interval=5.0)
+    heartbeat.beat()
+    job = _submit(client)
+    with sessions.begin() as s:
+        assert lifecycle.claim(s, job_id=job["id"], worker="host-a:42") is not None
+
+    items = client.get("/v1/workers").json()["items"]
+    assert [w["name"] for w in items] == ["host-a:42"], f"expected the one worker, got {items}"
+    w = items[0]
+    assert w["status"] == "alive", f"a fresh heartbeat is alive, got {w['status']}"
+    assert (w["device"], w["slots"], w["free_slots"]) == ("cpu", 2, 1), f"expected cpu, 2 slots, 1 free: {w}"
+    assert w["running_jobs"] == [job["id"]] and w["device_count"] >= 1, w
+    assert 0 <= w["heartbeat_age_seconds"] < 60, w
+
+    # Three missed beats (interval 5 s, the app's default): lost.
+    db.query(Worker).filter_by(name="host-a:42").update({"last_heartbeat": utcnow() - timedelta(seconds=16)})
+    db.commit()
+    w = client.get("/v1/workers").json()["items"][0]
+    assert w["status"] == "lost", f"a heartbeat 16 s old with a 5 s interval is lost, got {w['status']}"
+
+    heartbeat.beat()
+    w = client.get("/v1/workers").json()["items"][0]
+    assert w["status"] == "alive", f"a new beat brings it back, got {w['status']}"
+
+
+def test_a_stopped_heartbeat_removes_its_worker(sessions: sessionmaker[Session], db: Session) -> None:
+    heartbeat = Heartbeat(sessions=sessions, name="host-b:7", device="cpu", slots=1, interval=5.0)
+    heartbeat.stopped.set()
+    heartbeat.run()  # in this thread: one beat, then the stop is seen and the row removed
+    db.expire_all()
+    assert db.get(Worker, "host-b:7") is None, "a worker that stops cleanly removes its row"
