@@ -2,7 +2,7 @@
 "use strict";
 
 (() => {
-  const { api, every, el, ago, jobDuration, badge, progressBar, STATUSES, LIST_POLL_MS, WORKERS_POLL_MS, fmt } =
+  const { api, every, el, ago, duration, jobDuration, badge, progressBar, STATUSES, LIST_POLL_MS, WORKERS_POLL_MS } =
     window.dptrain;
 
   function labelChips(labels) {
@@ -104,7 +104,7 @@
         el("td", { text: `${w.device_count} × ${w.device}` }),
         el("td", { text: `${w.slots} (${w.free_slots})` }),
         el("td", {}, (w.running_jobs || []).map((id) => el("a", { href: `#/jobs/${id}`, class: "mono", text: `${id} ` }))),
-        el("td", { text: `${fmt(w.heartbeat_age_seconds)} s ago`, title: w.last_heartbeat }),
+        el("td", { text: `${duration(w.heartbeat_age_seconds)} ago`, title: w.last_heartbeat }),
         el("td", {}, badge(w.status)))));
       note.textContent = data.items.length ? "" : "No worker has reported yet: start one with `dptrain worker`.";
     });
