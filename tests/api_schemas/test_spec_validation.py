@@ -134,13 +134,14 @@ def test_engine_registers_exactly_the_recipes_the_api_accepts() -> None:
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_engine_recipe_defaults_equal_the_api_defaults(recipe: str) -> None:
-    import importlib
-    from dataclasses import asdict, is_dataclass
+    from dataclasses import asdict
 
-    module = importlib.import_module(f"workers.engine.recipes.{recipe}")
-    configs = [c for c in vars(module).values() if is_dataclass(c) and hasattr(c, "from_params")]
-    assert len(configs) == 1, f"{recipe}: expected one config dataclass with from_params, got {configs}"
-    engine, api = asdict(configs[0]()), RECIPES[recipe]().model_dump()
+    import workers.engine.recipes  # noqa: F401 - imports every recipe module
+    from workers.engine.recipes.params import RecipeParams
+
+    configs = {c.RECIPE: c for c in RecipeParams.__subclasses__()}
+    assert recipe in configs, f"{recipe}: expected a RecipeParams subclass, found {sorted(configs)}"
+    engine, api = asdict(configs[recipe]()), RECIPES[recipe]().model_dump()
     assert engine == api, f"{recipe}: engine defaults {engine} differ from the API's {api}"
 
 

@@ -3,49 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from mlp's and the sampler's streams (see data.py).
 _DATA_STREAM = 11
 
-# Lower bounds per extra (api_schemas.recipes.CnnBnParams has the same).
-_MINIMUMS = {"image_size": 4, "channels": 1, "num_classes": 2, "dataset_size": 1}
-
 
 @dataclass(frozen=True)
-class CnnBnConfig:
+class CnnBnConfig(RecipeParams):
     """Extras of the `cnn_bn` recipe (defaults match api_schemas.recipes.CnnBnParams)."""
+
+    RECIPE: ClassVar[str] = "cnn_bn"
+    MINIMUMS: ClassVar[Mapping[str, int]] = {
+        "image_size": 4,
+        "channels": 1,
+        "num_classes": 2,
+        "dataset_size": 1,
+    }
 
     image_size: int = 8
     channels: int = 3
     num_classes: int = 10
     dataset_size: int = 1024
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-                object.__setattr__(self, f.name, v)
-            lo = _MINIMUMS[f.name]
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> CnnBnConfig:
-        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"not a hyperparameter of recipe 'cnn_bn': {', '.join(unknown)}")
-        return cls(**params)
 
 
 def build_model(cfg: CnnBnConfig) -> nn.Sequential:

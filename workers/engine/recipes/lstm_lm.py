@@ -7,25 +7,26 @@ The data-parallel LSTM of the seeds (Caffe2's data_parallel_model test): the sam
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from mlp's (7) and from the sampler's streams (data.py).
 _DATA_STREAM = 12
 
-# Lower bounds of the extras (vocab_size >= 2 so there is something to predict).
-_MINIMUM = {"vocab_size": 2}
-
 
 @dataclass(frozen=True)
-class LstmLmConfig:
+class LstmLmConfig(RecipeParams):
     """Extras of the `lstm_lm` recipe (defaults match api_schemas.recipes.LstmLmParams)."""
+
+    RECIPE: ClassVar[str] = "lstm_lm"
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"vocab_size": 2}
 
     vocab_size: int = 64
     embed_size: int = 32
@@ -33,25 +34,6 @@ class LstmLmConfig:
     num_layers: int = 1
     seq_len: int = 16
     dataset_size: int = 1024
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-                object.__setattr__(self, f.name, v)
-            lo = _MINIMUM.get(f.name, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> LstmLmConfig:
-        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"not a hyperparameter of recipe 'lstm_lm': {', '.join(unknown)}")
-        return cls(**params)
 
 
 class LstmLm(nn.Module):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the sampler's streams (see data.py).
@@ -17,33 +18,17 @@ _DATA_STREAM = 7
 
 
 @dataclass(frozen=True)
-class MlpConfig:
+class MlpConfig(RecipeParams):
     """Extras of the `mlp` recipe (defaults match api_schemas.recipes.MlpParams)."""
+
+    RECIPE: ClassVar[str] = "mlp"
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"num_classes": 2}
 
     input_size: int = 32
     hidden_size: int = 64
     num_layers: int = 2
     num_classes: int = 10
     dataset_size: int = 4096
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-                object.__setattr__(self, f.name, v)
-            lo = 2 if f.name == "num_classes" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> MlpConfig:
-        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"not a hyperparameter of recipe 'mlp': {', '.join(unknown)}")
-        return cls(**params)
 
 
 def build_model(cfg: MlpConfig) -> nn.Sequential:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from workers.engine import collectives
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 from workers.engine.sharding import rank_and_world, shard_range
 
@@ -34,8 +35,11 @@ SHARDED_WEIGHT = "classifier.weight"
 
 
 @dataclass(frozen=True)
-class PartialFcConfig:
+class PartialFcConfig(RecipeParams):
     """Extras of the `partial_fc` recipe (defaults match api_schemas.recipes.PartialFcParams)."""
+
+    RECIPE: ClassVar[str] = "partial_fc"
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"num_classes": 2}
 
     input_size: int = 32
     hidden_size: int = 64
@@ -45,28 +49,11 @@ class PartialFcConfig:
     dataset_size: int = 2048
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "sample_rate":
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-                    raise ValueError(f"hyperparameters.sample_rate must be a number in (0, 1], got {v!r}")
-                object.__setattr__(self, f.name, float(v))
-                continue
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-                object.__setattr__(self, f.name, v)
-            lo = 2 if f.name == "num_classes" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> PartialFcConfig:
-        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"not a hyperparameter of recipe 'partial_fc': {', '.join(unknown)}")
-        return cls(**params)
+        super().__post_init__()
+        v = self.sample_rate
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"hyperparameters.sample_rate must be a number in (0, 1], got {v!r}")
+        object.__setattr__(self, "sample_rate", float(v))
 
 
 class _DistSoftmaxCrossEntropy(torch.autograd.Function):

@@ -10,13 +10,14 @@ teacher. The table's gradient is sparse (only touched rows), synchronised by the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the other recipes' and the sampler's (data.py).
@@ -25,13 +26,13 @@ _DATA_STREAM = 13
 # Zipf exponent of the id distribution: P(rank k) ~ 1 / k**s. Fixed, so the extras stay integers.
 _ZIPF_EXPONENT = 1.1
 
-# Lower bounds per extra (api_schemas.recipes.SparseEmbeddingParams has the same).
-_MINIMUMS = {"num_embeddings": 2, "num_classes": 2}
-
 
 @dataclass(frozen=True)
-class SparseEmbeddingConfig:
+class SparseEmbeddingConfig(RecipeParams):
     """Extras of the `sparse_embedding` recipe (defaults match api_schemas.recipes.SparseEmbeddingParams)."""
+
+    RECIPE: ClassVar[str] = "sparse_embedding"
+    MINIMUMS: ClassVar[Mapping[str, int]] = {"num_embeddings": 2, "num_classes": 2}
 
     num_embeddings: int = 1000
     embed_size: int = 16
@@ -39,25 +40,6 @@ class SparseEmbeddingConfig:
     hidden_size: int = 32
     num_classes: int = 4
     dataset_size: int = 1024
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)
-                object.__setattr__(self, f.name, v)
-            lo = _MINIMUMS.get(f.name, 1)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"hyperparameters.{f.name} must be an integer >= {lo}, got {v!r}")
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> SparseEmbeddingConfig:
-        """Build from the spec's recipe extras; unknown keys are refused like the API does."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"not a hyperparameter of recipe 'sparse_embedding': {', '.join(unknown)}")
-        return cls(**params)
 
 
 class SparseEmbeddingModel(nn.Module):
