@@ -64,6 +64,19 @@ def _submit(stack: Stack, name: str, **hp: Any) -> str:
     return str(r.json()["id"])
 
 
+def _expect_status(stack: Stack, page: Page, job_id: str, status: str, timeout_ms: float) -> None:
+    """Wait for the status badge of `job_id` on the page; on failure say what the job and processes said."""
+    badge = page.locator(f'tr[data-job-id="{job_id}"] .badge, .head .badge').first
+    try:
+        expect(badge).to_have_text(status, timeout=timeout_ms)
+    except AssertionError as exc:
+        job = stack.http.get(f"/v1/jobs/{job_id}").json()
+        raise AssertionError(
+            f"job {job_id}: expected the page to show {status!r}; the API says {job.get('status')!r}, "
+            f"error {job.get('error')}\n{exc}\n{stack.procs.logs()}"
+        ) from None
+
+
 def _wait_for_line(page: Page, selector: str, what: str, timeout: float = 60) -> int:
     deadline = time.monotonic() + timeout
     count = -1
@@ -96,10 +109,10 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     # A long job takes the worker's only slot; a short one queues behind it.
     long_id = _submit(stack, "ui-long", steps=10_000_000)
     long_row = page.locator(f'tr[data-job-id="{long_id}"]')
-    expect(long_row.locator(".badge")).to_have_text("running", timeout=60_000)
+    _expect_status(stack, page, long_id, "running", 60_000)
     short_id = _submit(stack, "ui-short")
     short_row = page.locator(f'tr[data-job-id="{short_id}"]')
-    expect(short_row.locator(".badge")).to_have_text("queued", timeout=10_000)
+    _expect_status(stack, page, short_id, "queued", 10_000)
     expect(short_row).to_contain_text("suite=dashboard")
 
     # The running job's page draws its loss live; its cancel button stops it.
@@ -108,13 +121,13 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     _wait_for_line(page, '[data-chart="loss"]', "running job")
     page.screenshot(path=str(REPORTS / "dashboard-running.png"), full_page=True)
     page.click("#cancel")
-    expect(page.locator(".head .badge")).to_have_text("cancelled", timeout=30_000)
+    _expect_status(stack, page, long_id, "cancelled", 30_000)
     assert stack.http.get(f"/v1/jobs/{long_id}").json()["status"] == "cancelled"
 
     # Back on the list, the queued job runs to the end.
     page.click('[data-nav="jobs"]')
-    expect(short_row.locator(".badge")).to_have_text("running", timeout=60_000)
-    expect(short_row.locator(".badge")).to_have_text("succeeded", timeout=120_000)
+    _expect_status(stack, page, short_id, "running", 60_000)
+    _expect_status(stack, page, short_id, "succeeded", 120_000)
     expect(short_row.locator(".progress-label")).to_have_text("40/40")
 
     # Its page: chart, timeline, checkpoints with the recorded sha256, both ranks' logs.
