@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -38,6 +40,18 @@ class Unauthorized(ServiceError):
 
 class Forbidden(ServiceError):
     status_code = 403
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+
+
+class TooManyRequests(ServiceError):
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        # Retry-After is whole seconds (RFC 9110); round up so a client that obeys it is let in.
+        super().__init__(message, headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
 
 def error_responses(*errors: type[ServiceError]) -> dict[int | str, dict[str, object]]:
