@@ -71,7 +71,9 @@ class TestTokens:
         frank, grace = add_user(db, "frank"), add_user(db, "grace")
         for method in ("POST", "DELETE"):
             r = client.request(method, "/v1/users/grace/tokens", headers=as_user(client, frank))
-            assert r.status_code == 404, f"{method} on another user's tokens: expected 404, got {r.status_code}"
+            assert r.status_code == 404, (
+                f"{method} on another user's tokens: expected 404, got {r.status_code}"
+            )
         assert client.get("/v1/users/me", headers=as_user(client, grace)).status_code == 200, (
             "grace's token survives frank's attempt"
         )
