@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from api_schemas.jobs import Strict
 
@@ -16,6 +16,9 @@ UserName = Annotated[
 
 class UserCreate(Strict):
     """What an admin sends to `POST /v1/users`."""
+
+    # Strict: `"admin": 0` or `"admin": "yes"` is refused rather than read as a boolean.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: UserName
     admin: bool = Field(False, description="Admins see and manage every job and create users.")

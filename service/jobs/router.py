@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
@@ -9,6 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import BeforeValidator
 
 from api_schemas import (
     CheckpointList,
@@ -80,6 +82,13 @@ def submit_job(
     return service.to_schema(job, owner=user.name)
 
 
+def _iso_8601(value: object) -> object:
+    # pydantic would also read a bare number as a Unix time; the documented format is ISO-8601.
+    if isinstance(value, str) and not re.match(r"^\d{4}-\d{2}-\d{2}", value):
+        raise ValueError("expected an ISO-8601 date-time")
+    return value
+
+
 def _invalid_query(field: str, message: str, value: object) -> RequestValidationError:
     return RequestValidationError(
         [{"type": "value_error", "loc": ("query", field), "msg": message, "input": value}]
@@ -99,7 +108,9 @@ def list_jobs(
         list[str] | None, Query(description="`key=value`, repeatable: jobs carrying all of them.")
     ] = None,
     updated_since: Annotated[
-        datetime | None, Query(description="Only jobs whose `updated_at` is strictly later.")
+        datetime | None,
+        BeforeValidator(_iso_8601),
+        Query(description="Only jobs whose `updated_at` is strictly later."),
     ] = None,
 ) -> Response:
     """List jobs newest first; pass `next_cursor` back as `cursor` for the next page."""
