@@ -19,6 +19,8 @@ def lock_owner(session: Session, *, job_id: str) -> int | None:
     after another: under READ COMMITTED two concurrent claims could otherwise both count 3 of 4
     and both pass. FOR NO KEY UPDATE does not block inserts of jobs referencing the user.
     """
+    if session.get_bind().dialect.name != "postgresql":
+        return None  # SQLite has one writer at a time: the claim's UPDATE alone is atomic
     owner = select(Job.owner_id).where(Job.id == job_id).scalar_subquery()
     stmt = select(User.id).where(User.id == owner).with_for_update(key_share=False)
     return session.execute(stmt).scalar_one_or_none()

@@ -382,7 +382,8 @@ def stale_queued(session: Session, *, older_than: datetime, limit: int) -> list[
         .where(
             Job.id.in_(
                 select(Job.id)
-                .where(Job.status == "queued", Job.updated_at < older_than)
+                # A deferred job's message was consumed on purpose: republish_deferred owns it.
+                .where(Job.status == "queued", Job.updated_at < older_than, Job.quota_deferred.is_(False))
                 .order_by(Job.created_at)
                 .limit(limit)
                 .scalar_subquery()
