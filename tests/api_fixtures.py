@@ -62,6 +62,6 @@ def add_user(session: Session, name: str, *, admin: bool = False) -> str:
     return token
 
 
-def as_user(client: TestClient, token: str) -> dict[str, str]:
+def as_user(token: str) -> dict[str, str]:
     """Headers that act as another user on the same client."""
     return {"Authorization": f"Bearer {token}"}

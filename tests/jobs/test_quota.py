@@ -42,14 +42,14 @@ class TestLimit:
     def test_a_claim_over_the_limit_leaves_the_job_queued_and_deferred(
         self, client: TestClient, db: Session, sessions: sessionmaker[Session]
     ) -> None:
-        kim = as_user(client, add_user(db, "kim"))
+        kim = as_user(add_user(db, "kim"))
         ids = [client.post("/v1/jobs", json=SPEC, headers=kim).json()["id"] for _ in range(3)]
         assert [_claim(sessions, i) for i in ids] == [True, True, False], "the third exceeds the limit of 2"
         third = _row(db, ids[2])
         assert (third.status, third.quota_deferred) == ("queued", True), (
             f"expected queued and deferred, got {third.status}, {third.quota_deferred}"
         )
-        leo = as_user(client, add_user(db, "leo"))
+        leo = as_user(add_user(db, "leo"))
         other = client.post("/v1/jobs", json=SPEC, headers=leo).json()["id"]
         assert _claim(sessions, other), "another user's job is not held back by kim's limit"
 

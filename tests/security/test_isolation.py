@@ -33,7 +33,7 @@ def two_users(client: TestClient, db: Session, settings: Settings) -> dict[str, 
     tokens = {"alice": add_user(db, "alice"), "bob": add_user(db, "bob")}
     jobs = {}
     for name, token in tokens.items():
-        r = client.post("/v1/jobs", json=SPEC, headers=as_user(client, token))
+        r = client.post("/v1/jobs", json=SPEC, headers=as_user(token))
         assert r.status_code == 201, r.text
         jid = r.json()["id"]
         path = settings.artifacts / "jobs" / jid / "checkpoints" / "ckpt-000000001.pt"
@@ -47,7 +47,7 @@ def two_users(client: TestClient, db: Session, settings: Settings) -> dict[str, 
             ]
         )
         db.commit()
-        ckpt = client.get(f"/v1/jobs/{jid}/checkpoints", headers=as_user(client, token)).json()["items"][0]
+        ckpt = client.get(f"/v1/jobs/{jid}/checkpoints", headers=as_user(token)).json()["items"][0]
         jobs[name] = {"id": jid, "checkpoint": ckpt["id"]}
     return {"tokens": tokens, "jobs": jobs}
 
@@ -62,7 +62,7 @@ class TestCrossOwner:
     ) -> None:
         routes = _job_routes(client)
         assert len(routes) >= 8, f"expected every /v1/jobs/{{id}} route, found {routes}"
-        bob = as_user(client, two_users["tokens"]["bob"])
+        bob = as_user(two_users["tokens"]["bob"])
         alices_job = two_users["jobs"]["alice"]
         for method, path in routes:
             r = client.request(method, _url(path, alices_job), headers=bob)
@@ -76,7 +76,7 @@ class TestCrossOwner:
     def test_the_owner_and_an_admin_reach_every_route(
         self, client: TestClient, two_users: dict[str, Any]
     ) -> None:
-        alice = as_user(client, two_users["tokens"]["alice"])
+        alice = as_user(two_users["tokens"]["alice"])
         for who, headers in (("alice", alice), ("admin", {})):
             for method, path in _job_routes(client):
                 if method == "POST":  # cancel: checked once below, it changes the job
@@ -92,7 +92,7 @@ class TestCrossOwner:
         self, client: TestClient, two_users: dict[str, Any]
     ) -> None:
         for name in ("alice", "bob"):
-            page = client.get("/v1/jobs", headers=as_user(client, two_users["tokens"][name])).json()
+            page = client.get("/v1/jobs", headers=as_user(two_users["tokens"][name])).json()
             ids = [j["id"] for j in page["items"]]
             assert ids == [two_users["jobs"][name]["id"]], f"{name} must see only their job, got {ids}"
         ids = {j["id"] for j in client.get("/v1/jobs").json()["items"]}
@@ -107,9 +107,7 @@ class TestCrossOwner:
             assert lifecycle.claim(db, job_id=two_users["jobs"][name]["id"], worker="w:1") is not None
         db.commit()
         for name in ("alice", "bob"):
-            items = client.get("/v1/workers", headers=as_user(client, two_users["tokens"][name])).json()[
-                "items"
-            ]
+            items = client.get("/v1/workers", headers=as_user(two_users["tokens"][name])).json()["items"]
             running = [j for w in items for j in w["running_jobs"]]
             assert running == [two_users["jobs"][name]["id"]], f"{name} sees only their own: {running}"
 

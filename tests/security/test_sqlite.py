@@ -36,7 +36,7 @@ def test_users_idempotency_and_the_running_limit_on_sqlite(sqlite_client: TestCl
     c = sqlite_client
     token = c.post("/v1/users", json={"name": "mona"}).json()["token"]
     assert c.post("/v1/users", json={"name": "mona"}).status_code == 409, "a taken name on SQLite"
-    mona = as_user(c, token)
+    mona = as_user(token)
     first = c.post("/v1/jobs", json=SPEC, headers={**mona, "Idempotency-Key": "k"})
     again = c.post("/v1/jobs", json=SPEC, headers={**mona, "Idempotency-Key": "k"})
     assert (first.status_code, again.status_code) == (201, 200), (first.text, again.text)

@@ -29,12 +29,12 @@ def test_create_then_revoke(cli_env: None, client: TestClient) -> None:
     r = runner.invoke(app, ["users", "create", "henry", "--admin"])
     assert r.exit_code == 0, f"expected exit 0, got {r.exit_code}: {r.output}"
     token = r.stdout.strip().splitlines()[-1]
-    me = client.get("/v1/users/me", headers=as_user(client, token))
+    me = client.get("/v1/users/me", headers=as_user(token))
     assert me.status_code == 200 and me.json() == {**me.json(), "name": "henry", "admin": True}, me.text
     again = runner.invoke(app, ["users", "create", "henry"])
     assert again.exit_code == 1 and "already exists" in again.output, f"a taken name fails: {again.output}"
     r = runner.invoke(app, ["users", "revoke", "henry"])
     assert r.exit_code == 0 and "revoked 1" in r.stdout, r.output
-    assert client.get("/v1/users/me", headers=as_user(client, token)).status_code == 401, (
+    assert client.get("/v1/users/me", headers=as_user(token)).status_code == 401, (
         "a token revoked from the CLI is refused at once"
     )

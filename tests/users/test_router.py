@@ -21,7 +21,7 @@ class TestCreate:
         body = r.json()
         assert (body["name"], body["admin"]) == ("alice", False), f"expected alice, non-admin: {body}"
         token = body["token"]
-        me = client.get("/v1/users/me", headers=as_user(client, token))
+        me = client.get("/v1/users/me", headers=as_user(token))
         assert me.status_code == 200 and me.json()["name"] == "alice", f"the new token is alice's: {me.text}"
         user = db.execute(select(User).where(User.name == "alice")).scalar_one()
         stored = db.execute(select(ApiToken.token_hash).where(ApiToken.user_id == user.id)).scalars().all()
@@ -40,13 +40,13 @@ class TestCreate:
 
     def test_a_non_admin_cannot_create_users(self, client: TestClient, db: Session) -> None:
         token = add_user(db, "carol")
-        r = client.post("/v1/users", json={"name": "mallory", "admin": True}, headers=as_user(client, token))
+        r = client.post("/v1/users", json={"name": "mallory", "admin": True}, headers=as_user(token))
         assert r.status_code == 403, f"expected 403 for a non-admin, got {r.status_code}: {r.text}"
         assert db.execute(select(User).where(User.name == "mallory")).first() is None, "no user was made"
 
     def test_an_admin_can_create_an_admin(self, client: TestClient) -> None:
         token = client.post("/v1/users", json={"name": "root2", "admin": True}).json()["token"]
-        r = client.post("/v1/users", json={"name": "dave"}, headers=as_user(client, token))
+        r = client.post("/v1/users", json={"name": "dave"}, headers=as_user(token))
         assert r.status_code == 201, f"a new admin can create users, got {r.status_code}"
 
 
@@ -55,33 +55,33 @@ class TestTokens:
         first = add_user(db, "erin")
         second = client.post("/v1/users/erin/tokens").json()["token"]
         for t in (first, second):
-            assert client.get("/v1/users/me", headers=as_user(client, t)).status_code == 200
+            assert client.get("/v1/users/me", headers=as_user(t)).status_code == 200
         r = client.delete("/v1/users/erin/tokens")
         assert r.status_code == 204, f"expected 204, got {r.status_code}: {r.text}"
         for t in (first, second):
-            r = client.get("/v1/jobs", headers=as_user(client, t))
+            r = client.get("/v1/jobs", headers=as_user(t))
             assert r.status_code == 401, f"a revoked token must get 401 at once, got {r.status_code}"
             assert r.headers.get("www-authenticate") == "Bearer", r.headers
         fresh = client.post("/v1/users/erin/tokens").json()["token"]
-        assert client.get("/v1/users/me", headers=as_user(client, fresh)).status_code == 200, (
+        assert client.get("/v1/users/me", headers=as_user(fresh)).status_code == 200, (
             "an admin can give a revoked user a new token"
         )
 
     def test_a_user_manages_only_their_own_tokens(self, client: TestClient, db: Session) -> None:
         frank, grace = add_user(db, "frank"), add_user(db, "grace")
         for method in ("POST", "DELETE"):
-            r = client.request(method, "/v1/users/grace/tokens", headers=as_user(client, frank))
+            r = client.request(method, "/v1/users/grace/tokens", headers=as_user(frank))
             assert r.status_code == 404, (
                 f"{method} on another user's tokens: expected 404, got {r.status_code}"
             )
-        assert client.get("/v1/users/me", headers=as_user(client, grace)).status_code == 200, (
+        assert client.get("/v1/users/me", headers=as_user(grace)).status_code == 200, (
             "grace's token survives frank's attempt"
         )
-        mine = client.post("/v1/users/frank/tokens", headers=as_user(client, frank))
+        mine = client.post("/v1/users/frank/tokens", headers=as_user(frank))
         assert mine.status_code == 201, f"a user may issue their own token, got {mine.status_code}"
-        r = client.delete("/v1/users/frank/tokens", headers=as_user(client, frank))
+        r = client.delete("/v1/users/frank/tokens", headers=as_user(frank))
         assert r.status_code == 204, f"a user may revoke their own tokens, got {r.status_code}"
-        assert client.get("/v1/users/me", headers=as_user(client, frank)).status_code == 401
+        assert client.get("/v1/users/me", headers=as_user(frank)).status_code == 401
 
     def test_unknown_user_is_404(self, client: TestClient) -> None:
         for method in ("POST", "DELETE"):
