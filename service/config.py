@@ -74,6 +74,8 @@ class Settings(BaseSettings):
         if self.artifact_root is None:
             self.artifact_root = home / "artifacts"
         self.artifact_root = self.artifact_root.resolve()
+        if self.default_page_size > self.max_page_size:
+            raise ValueError("DPTRAIN_DEFAULT_PAGE_SIZE must not exceed DPTRAIN_MAX_PAGE_SIZE")
         return self
 
     @property

@@ -6,7 +6,15 @@ from fastapi import APIRouter, Response, status
 
 from api_schemas import IssuedToken, UserCreate, UserInfo
 from service.deps import CurrentUser, SessionDep
-from service.errors import Conflict, Forbidden, NotFound, TooManyRequests, Unauthorized, error_responses
+from service.errors import (
+    Conflict,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    TooManyRequests,
+    Unauthorized,
+    error_responses,
+)
 from service.users import service
 
 router = APIRouter(
@@ -18,7 +26,7 @@ router = APIRouter(
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=IssuedToken,
-    responses=error_responses(Forbidden, Conflict),
+    responses=error_responses(Forbidden, Conflict, PayloadTooLarge),
 )
 def create_user(body: UserCreate, session: SessionDep, user: CurrentUser) -> IssuedToken:
     """Create a user (admins only) and return its first token, shown this once."""
