@@ -72,7 +72,9 @@ def database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomize: the same requests every run, so CI does not flake; raise MAX_EXAMPLES (or drop
+# derandomize) locally to explore further.
+@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_schema(case: Any) -> None:
     # Every default check (no 5xx, status codes, content types, headers and bodies as documented,
     # invalid input refused, auth enforced: ignored_auth sends each request again without the
