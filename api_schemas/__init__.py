@@ -21,6 +21,7 @@ from api_schemas.jobs import (
     Transition,
 )
 from api_schemas.recipes import RECIPES, spec_errors
+from api_schemas.users import IssuedToken, UserCreate, UserInfo
 from api_schemas.workers import Worker, WorkerList
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "EngineOptions",
     "ErrorBody",
     "Hyperparameters",
+    "IssuedToken",
     "Job",
     "JobError",
     "JobList",
@@ -43,6 +45,8 @@ __all__ = [
     "Resources",
     "Timeline",
     "Transition",
+    "UserCreate",
+    "UserInfo",
     "Worker",
     "WorkerList",
     "spec_errors",

@@ -6,7 +6,7 @@ import enum
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -83,7 +83,7 @@ class EngineOptions(Strict):
         description="Keep buffers (BatchNorm running stats) in step across ranks: `average` them after every "
         "step (uses every rank's data) or `broadcast` rank 0's at every forward.",
     )
-    sync_batchnorm: bool = Field(
+    sync_batchnorm: StrictBool = Field(
         False,
         description="BatchNorm over the whole global batch (SyncBatchNorm) instead of each rank's shard.",
     )
@@ -101,7 +101,7 @@ class EngineOptions(Strict):
         description="Sparse gradients (embeddings): all-gather each rank's touched rows, or densify and "
         "allreduce.",
     )
-    activation_checkpointing: bool = Field(
+    activation_checkpointing: StrictBool = Field(
         False, description="Recompute activations in backward instead of storing them: less memory."
     )
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from service.config import Settings, get_settings
+
+SUBMIT_ATTEMPTS = 3
 
 
 class ApiError(Exception):
@@ -51,9 +55,19 @@ class Client:
             raise ApiError(r.status_code, detail)
         return r.json()
 
-    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """POST /v1/jobs."""
-        return dict(self._call("POST", "/v1/jobs", json=spec))
+    def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
+        """POST /v1/jobs under an Idempotency-Key, retried on network errors: never two jobs for one call."""
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        for attempt in range(SUBMIT_ATTEMPTS):
+            try:
+                return dict(self._call("POST", "/v1/jobs", json=spec, headers=headers))
+            except httpx.TransportError:
+                # The request may have been accepted before the connection broke: the same key
+                # makes the retry answer that job instead of submitting a second one.
+                if attempt == SUBMIT_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def get(self, job_id: str) -> dict[str, Any]:
         """GET /v1/jobs/{id}."""

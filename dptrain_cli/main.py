@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dptrain_cli import server
+from dptrain_cli import server, users
 from dptrain_cli.client import ApiError, Client
 
 app = typer.Typer(no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP.")
@@ -24,6 +24,7 @@ app.command()(server.api)
 app.command()(server.worker)
 app.command()(server.migrate)
 app.command()(server.up)
+app.add_typer(users.app, name="users")
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED = 0, 1, 2, 3
 TERMINAL = {"succeeded", "failed", "cancelled"}

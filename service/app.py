@@ -16,8 +16,10 @@ from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.errors import install_error_handler
 from service.jobs.router import router as jobs_router
+from service.limits import BodyLimit, TokenBuckets
 from service.ops.metrics import DatabaseCollector, RequestLatency, request_histogram
 from service.ops.router import router as ops_router
+from service.users.router import router as users_router
 from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,14 @@ def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | Non
     # A registry per app, not prometheus_client's global one: tests build many apps in one process.
     app.state.metrics_registry = CollectorRegistry()
     app.state.metrics_registry.register(DatabaseCollector(lambda: app.state.session_factory()))
+    app.state.rate_limiter = TokenBuckets(
+        rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst
+    )
+    # Added before RequestLatency, so it runs inside it (the last added is outermost): 413s are measured.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
     app.add_middleware(RequestLatency, histogram=request_histogram(app.state.metrics_registry))
     app.include_router(jobs_router)
+    app.include_router(users_router)
     app.include_router(workers_router)
     app.include_router(ops_router)
     install_dashboard(app)

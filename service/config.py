@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -36,8 +36,18 @@ class Settings(BaseSettings):
     allowed_entrypoints: str = ""
 
     # API
-    max_page_size: int = 200
-    default_page_size: int = 50
+    # `limit` above these answers 422 (jobs pages; log pages).
+    max_page_size: int = Field(200, ge=1)
+    default_page_size: int = Field(50, ge=1)
+    max_log_page_size: int = Field(10_000, ge=1)
+    # Larger request bodies answer 413; the bytes are counted, not just Content-Length.
+    max_request_body_bytes: int = Field(1 << 20, ge=1024)
+    # Per-token token bucket, in this API process: `rate_limit_per_second` sustained, bursts up to
+    # `rate_limit_burst`; beyond it 429 with Retry-After. 0 turns it off.
+    rate_limit_per_second: float = Field(20.0, ge=0)
+    rate_limit_burst: int = Field(100, ge=1)
+    # A user's jobs running at once (admins included); the rest wait queued, in submission order.
+    max_running_jobs_per_user: int = Field(4, ge=1)
     # How often an open `GET /v1/jobs/{id}/events` stream looks at the database.
     sse_poll_seconds: float = 1.0
 
@@ -64,6 +74,8 @@ class Settings(BaseSettings):
         if self.artifact_root is None:
             self.artifact_root = home / "artifacts"
         self.artifact_root = self.artifact_root.resolve()
+        if self.default_page_size > self.max_page_size:
+            raise ValueError("DPTRAIN_DEFAULT_PAGE_SIZE must not exceed DPTRAIN_MAX_PAGE_SIZE")
         return self
 
     @property

@@ -6,6 +6,8 @@ from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
@@ -42,3 +44,10 @@ def get_engine(settings: Settings | None = None) -> Engine:
 def session_factory(settings: Settings | None = None) -> sessionmaker[Session]:
     """A session factory bound to the configured database."""
     return sessionmaker(bind=get_engine(settings), expire_on_commit=False)
+
+
+def insert_for(session: Session, entity: Any) -> Any:
+    """The dialect's INSERT (PostgreSQL's or SQLite's), so `on_conflict_do_nothing` works on both."""
+    if session.get_bind().dialect.name == "postgresql":
+        return pg_insert(entity)
+    return sqlite_insert(entity)

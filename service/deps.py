@@ -10,11 +10,13 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from service.auth.tokens import user_for_token
+from service.auth.tokens import hash_token
 from service.config import Settings
 from service.dispatch import Dispatcher
-from service.errors import Unauthorized
+from service.errors import TooManyRequests, Unauthorized
+from service.limits import TokenBuckets
 from service.models import User
+from service.users.repository import user_for_token_hash
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +67,20 @@ _bearer = HTTPBearer(auto_error=False)
 
 
 def get_current_user(
-    session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request,
+    session: SessionDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> User:
-    """The user of the bearer token, or 401."""
+    """The user of the bearer token, or 401; 429 once the token spent its rate limit."""
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise Unauthorized()
-    user = user_for_token(session, token=credentials.credentials)
+    digest = hash_token(credentials.credentials)
+    # Counted before the lookup, so a flood with one (even invalid) token costs no database work.
+    limiter: TokenBuckets = request.app.state.rate_limiter
+    wait = limiter.take(digest)
+    if wait is not None:
+        raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
+    user = user_for_token_hash(session, token_hash=digest)
     if user is None:
         raise Unauthorized()
     return user

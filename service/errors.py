@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
 class ServiceError(Exception):
@@ -40,6 +47,18 @@ class Forbidden(ServiceError):
     status_code = 403
 
 
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+
+
+class TooManyRequests(ServiceError):
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        # Retry-After is whole seconds (RFC 9110); round up so a client that obeys it is let in.
+        super().__init__(message, headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
+
+
 def error_responses(*errors: type[ServiceError]) -> dict[int | str, dict[str, object]]:
     """OpenAPI `responses=` entries for the errors a route may answer."""
     from api_schemas import ErrorBody
@@ -57,3 +76,22 @@ def install_error_handler(app: FastAPI) -> None:
             status_code=exc.status_code,
             headers=exc.headers,
         )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            # Starlette's Allow names only the first route of the path; GET and POST /v1/jobs (or
+            # POST and DELETE .../tokens) are separate routes, so ask every route for every method.
+            exc.headers = {**(exc.headers or {}), "Allow": ", ".join(_allowed(request))}
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # A body that is not even text (bad UTF-8): the same 422 as any other malformed JSON.
+            detail = [{"type": "json_invalid", "loc": ["body"], "msg": "body is not valid JSON text"}]
+            return JSONResponse({"detail": detail}, status_code=422)
+        return await http_exception_handler(request, exc)
+
+
+def _allowed(request: Request) -> list[str]:
+    routes = request.app.router.routes
+    return [
+        m for m in _METHODS if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)
+    ]

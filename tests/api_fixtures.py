@@ -51,3 +51,17 @@ def client(
     app.state.session_factory = sessions
     with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
         yield c
+
+
+def add_user(session: Session, name: str, *, admin: bool = False) -> str:
+    """Create a user in the test's transaction and return its token."""
+    from service.users import service as users
+
+    token = users.create(session, name=name, admin=admin).token
+    session.commit()
+    return token
+
+
+def as_user(token: str) -> dict[str, str]:
+    """Headers that act as another user on the same client."""
+    return {"Authorization": f"Bearer {token}"}

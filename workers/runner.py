@@ -63,11 +63,12 @@ def run_attempt(*, job_id: str, settings: Settings) -> JobStatus | None:
     """Run one attempt of `job_id` to its end; None if the job was not claimable (duplicate delivery)."""
     sessions = session_factory(settings)
     with sessions.begin() as session:
-        job = lifecycle.claim(session, job_id=job_id, worker=worker_name())
+        limit = settings.max_running_jobs_per_user
+        job = lifecycle.claim(session, job_id=job_id, worker=worker_name(), max_running_per_user=limit)
         if job is None:
-            log.info("job %s is not queued; nothing to run (duplicate or cancelled)", job_id)
+            log.info("job %s not claimable: a duplicate, cancelled, or its owner is at the limit", job_id)
             return None
-        attempt, token, spec = job.attempt, str(job.claim_token), dict(job.spec)
+        attempt, token, spec, owner = job.attempt, str(job.claim_token), dict(job.spec), job.owner_id
     paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt)
     try:
         return _supervise(
@@ -83,6 +84,24 @@ def run_attempt(*, job_id: str, settings: Settings) -> JobStatus | None:
             error={"type": "LauncherError", "message": f"{type(exc).__name__}: {exc}", "rank": None},
         )
         return JobStatus.FAILED
+    finally:
+        _release_deferred(sessions=sessions, settings=settings, owner_id=owner)
+
+
+def _release_deferred(*, sessions: sessionmaker[Session], settings: Settings, owner_id: int) -> None:
+    """This owner has one running job fewer: publish what the running-jobs limit held back."""
+    from service.dispatch import CeleryDispatcher
+    from workers.reconciler import republish_deferred
+
+    try:
+        republish_deferred(
+            sessions=sessions,
+            dispatcher=CeleryDispatcher(settings),
+            max_running=settings.max_running_jobs_per_user,
+            owner_id=owner_id,
+        )
+    except Exception:  # noqa: BLE001 - the reconciler's next round does it instead
+        log.warning("publishing deferred jobs of owner %s failed", owner_id, exc_info=True)
 
 
 def _supervise(

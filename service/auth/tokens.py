@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.models import ApiToken, User
+from service.models import User
+from service.users import repository
 
 
 def hash_token(token: str) -> str:
@@ -23,24 +23,18 @@ def new_token() -> str:
 
 def user_for_token(session: Session, *, token: str) -> User | None:
     """The user a valid, unrevoked token belongs to."""
-    stmt = (
-        select(User)
-        .join(ApiToken, ApiToken.user_id == User.id)
-        .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
-    )
-    return session.execute(stmt).scalar_one_or_none()
+    return repository.user_for_token_hash(session, token_hash=hash_token(token))
 
 
 def ensure_bootstrap_admin(session: Session, *, token: str, name: str = "admin") -> User:
-    """Make sure an admin named `name` exists and `token` is one of its tokens (idempotent)."""
-    user = session.execute(select(User).where(User.name == name)).scalar_one_or_none()
-    if user is None:
-        user = User(name=name, is_admin=True)
-        session.add(user)
-        session.flush()
-    digest = hash_token(token)
-    exists = session.execute(select(ApiToken.id).where(ApiToken.token_hash == digest)).first()
-    if exists is None:
-        session.add(ApiToken(user_id=user.id, token_hash=digest))
-        session.flush()
+    """Make sure an admin named `name` exists and `token` is one of its tokens (idempotent).
+
+    A bootstrap token that was revoked stays revoked: its hash is already stored, so it is not
+    added again at the next start.
+    """
+    user = repository.by_name(session, name=name) or repository.create(session, name=name, is_admin=True)
+    if user is None:  # created by a concurrent start in between
+        user = repository.by_name(session, name=name)
+    assert user is not None
+    repository.add_token(session, user_id=user.id, token_hash=hash_token(token))
     return user

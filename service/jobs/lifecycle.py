@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import insert, update
+from sqlalchemy import ColumnElement, insert, update
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus
+from service.jobs import quota
 from service.models import Job, JobTransition
 from service.models.base import utcnow
 
@@ -39,6 +41,7 @@ def transition(
     reason: str | None = None,
     claim_token: str | None = None,
     values: dict[str, Any] | None = None,
+    conditions: Sequence[ColumnElement[bool]] = (),
 ) -> Job | None:
     """Move a job from `src` to `dst` with one conditional UPDATE; None if it was not in `src`.
 
@@ -51,7 +54,7 @@ def transition(
     fields: dict[str, Any] = {"status": dst.value, "updated_at": now, **(values or {})}
     if dst.is_terminal():
         fields.setdefault("finished_at", now)
-    stmt = update(Job).where(Job.id == job_id, Job.status == src.value)
+    stmt = update(Job).where(Job.id == job_id, Job.status == src.value, *conditions)
     if claim_token is not None:
         stmt = stmt.where(Job.claim_token == claim_token)
     job = session.execute(stmt.values(**fields).returning(Job)).scalar_one_or_none()
@@ -77,9 +80,20 @@ def record_created(session: Session, *, job: Job) -> None:
     )
 
 
-def claim(session: Session, *, job_id: str, worker: str) -> Job | None:
-    """Claim a queued job for a new attempt with a fresh fencing token; None if not claimable."""
-    return transition(
+def claim(
+    session: Session, *, job_id: str, worker: str, max_running_per_user: int | None = None
+) -> Job | None:
+    """Claim a queued job for a new attempt with a fresh fencing token; None if not claimable.
+
+    With `max_running_per_user`, the same UPDATE also requires the owner to have fewer jobs
+    running (claims of one owner serialised by a lock on the owner's row); a job refused for that
+    stays queued, marked `quota_deferred`, and is published again once one of the owner's ends.
+    """
+    conditions: list[ColumnElement[bool]] = []
+    if max_running_per_user is not None:
+        quota.lock_owner(session, job_id=job_id)
+        conditions.append(quota.under_limit(max_running_per_user))
+    job = transition(
         session,
         job_id=job_id,
         src=JobStatus.QUEUED,
@@ -91,5 +105,10 @@ def claim(session: Session, *, job_id: str, worker: str) -> Job | None:
             "started_at": utcnow(),
             "worker": worker,
             "error": None,
+            "quota_deferred": False,
         },
+        conditions=conditions,
     )
+    if job is None and max_running_per_user is not None:
+        quota.defer(session, job_id=job_id)  # a no-op unless the job is still queued
+    return job

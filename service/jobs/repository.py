@@ -26,6 +26,7 @@ from sqlalchemy.dialects.postgresql import JSONB, distinct_on
 from sqlalchemy.dialects.postgresql import array as pg_array
 from sqlalchemy.orm import Session
 
+from service.db import insert_for
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
 from service.models.base import utcnow
 
@@ -51,6 +52,28 @@ def get(session: Session, *, job_id: str, owner_id: int | None = None) -> Job | 
     stmt = select(Job).where(Job.id == job_id)
     if owner_id is not None:
         stmt = stmt.where(Job.owner_id == owner_id)
+    return session.execute(stmt).scalar_one_or_none()
+
+
+def insert_job(session: Session, *, values: dict[str, Any]) -> Job | None:
+    """Insert a job row; None if its (owner_id, idempotency_key) is taken (the unique constraint decides).
+
+    On PostgreSQL a conflicting insert waits for the other transaction to commit or roll back, so
+    None means the winner is committed and readable by the next statement.
+    """
+    stmt = (
+        insert_for(session, Job)
+        .values(**values)
+        .on_conflict_do_nothing(index_elements=[Job.owner_id, Job.idempotency_key])
+        .returning(Job.id)
+    )
+    job_id = session.execute(stmt).scalar_one_or_none()
+    return None if job_id is None else session.get(Job, job_id)
+
+
+def by_idempotency_key(session: Session, *, owner_id: int, key: str) -> Job | None:
+    """The job an owner submitted under `key`."""
+    stmt = select(Job).where(Job.owner_id == owner_id, Job.idempotency_key == key)
     return session.execute(stmt).scalar_one_or_none()
 
 
@@ -359,7 +382,8 @@ def stale_queued(session: Session, *, older_than: datetime, limit: int) -> list[
         .where(
             Job.id.in_(
                 select(Job.id)
-                .where(Job.status == "queued", Job.updated_at < older_than)
+                # A deferred job's message was consumed on purpose: republish_deferred owns it.
+                .where(Job.status == "queued", Job.updated_at < older_than, Job.quota_deferred.is_(False))
                 .order_by(Job.created_at)
                 .limit(limit)
                 .scalar_subquery()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
+from pydantic import BeforeValidator
 
 from api_schemas import (
     CheckpointList,
@@ -23,25 +25,68 @@ from api_schemas import (
     spec_errors,
 )
 from service.deps import CurrentUser, DispatcherDep, SessionDep, SettingsDep, after_commit
-from service.errors import NotFound, Unauthorized, error_responses
+from service.errors import (
+    Conflict,
+    NotFound,
+    PayloadTooLarge,
+    TooManyRequests,
+    Unauthorized,
+    error_responses,
+)
 from service.etag import conditional_json
 from service.jobs import events, repository, service
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized))
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized, TooManyRequests))
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
+_REPLAY: dict[int | str, dict[str, object]] = {
+    200: {"model": Job, "description": "A replay: the job this Idempotency-Key created"}
+}
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=Job)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=Job,
+    responses=_REPLAY | error_responses(Conflict, PayloadTooLarge),
+)
 def submit_job(
-    spec: JobSpec, session: SessionDep, user: CurrentUser, dispatcher: DispatcherDep, settings: SettingsDep
+    spec: JobSpec,
+    response: Response,
+    session: SessionDep,
+    user: CurrentUser,
+    dispatcher: DispatcherDep,
+    settings: SettingsDep,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=255,
+            pattern=r"^[\x21-\x7e]+$",
+            description="Retry-safe submit: the same key and spec answer 200 with the same job; "
+            "the same key with another spec 409.",
+        ),
+    ] = None,
 ) -> Job:
     """Submit a job; it is queued and published to the workers once committed."""
     errors = spec_errors(spec, allowed_entrypoints=settings.entrypoint_prefixes)
     if errors:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
-    job = service.submit(session, user=user, spec=spec)
-    after_commit(session, lambda: dispatcher.send(job.id, device=spec.resources.device))
+    if idempotency_key is None:
+        job, created = service.submit(session, user=user, spec=spec), True
+    else:
+        job, created = service.submit_once(session, user=user, spec=spec, key=idempotency_key)
+    if created:
+        after_commit(session, lambda: dispatcher.send(job.id, device=spec.resources.device))
+    else:
+        response.status_code = status.HTTP_200_OK
     return service.to_schema(job, owner=user.name)
+
+
+def _iso_8601(value: object) -> object:
+    # pydantic would also read a bare number as a Unix time; the documented format is ISO-8601.
+    if isinstance(value, str) and not re.match(r"^\d{4}-\d{2}-\d{2}", value):
+        raise ValueError("expected an ISO-8601 date-time")
+    return value
 
 
 def _invalid_query(field: str, message: str, value: object) -> RequestValidationError:
@@ -56,17 +101,21 @@ def list_jobs(
     session: SessionDep,
     user: CurrentUser,
     settings: SettingsDep,
-    limit: Annotated[int | None, Query(ge=1)] = None,
+    limit: Annotated[int | None, Query(ge=1, description="Page size, up to DPTRAIN_MAX_PAGE_SIZE.")] = None,
     cursor: str | None = None,
     status: JobStatus | None = None,
     label: Annotated[
         list[str] | None, Query(description="`key=value`, repeatable: jobs carrying all of them.")
     ] = None,
     updated_since: Annotated[
-        datetime | None, Query(description="Only jobs whose `updated_at` is strictly later.")
+        datetime | None,
+        BeforeValidator(_iso_8601),
+        Query(description="Only jobs whose `updated_at` is strictly later."),
     ] = None,
 ) -> Response:
     """List jobs newest first; pass `next_cursor` back as `cursor` for the next page."""
+    if limit is not None and limit > settings.max_page_size:
+        raise _invalid_query("limit", f"limit must be at most {settings.max_page_size}", limit)
     size = min(limit or settings.default_page_size, settings.max_page_size)
     try:
         labels = service.parse_labels(label or [])
@@ -144,7 +193,9 @@ def get_logs(
     settings: SettingsDep,
     after: Annotated[int | None, Query(ge=0, description="Cursor: the last line id already read.")] = None,
     rank: Annotated[int | None, Query(ge=0)] = None,
-    limit: Annotated[int | None, Query(ge=1)] = None,
+    limit: Annotated[
+        int | None, Query(ge=1, description="Page size, up to DPTRAIN_MAX_LOG_PAGE_SIZE.")
+    ] = None,
     tail: Annotated[
         int | None, Query(ge=1, le=10_000, description="The last `tail` lines instead; not with `after`.")
     ] = None,
@@ -152,11 +203,13 @@ def get_logs(
     """Per-rank output of a job, in order, from the cursor on (or its last `tail` lines)."""
     if tail is not None and after is not None:
         raise _invalid_query("tail", "tail and after cannot be used together", tail)
+    if limit is not None and limit > settings.max_log_page_size:
+        raise _invalid_query("limit", f"limit must be at most {settings.max_log_page_size}", limit)
     service.get_visible(session, user=user, job_id=job_id)
     if tail is not None:
         rows = repository.log_tail(session, job_id=job_id, rank=rank, tail=tail)
     else:
-        size = min(limit or 1000, 10 * settings.max_page_size)
+        size = min(limit or 1000, settings.max_log_page_size)
         rows = list(repository.log_lines(session, job_id=job_id, after=after, rank=rank, limit=size))
     items = [LogLine(id=r.id, rank=r.rank, attempt=r.attempt, line=r.line) for r in rows]
     return LogPage(items=items, next_cursor=items[-1].id if items else after)

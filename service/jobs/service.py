@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -20,7 +23,7 @@ from api_schemas import (
     Transition,
 )
 from api_schemas.recipes import recipe_params
-from service.errors import InvalidTransition, NotFound
+from service.errors import Conflict, InvalidTransition, NotFound
 from service.jobs import lifecycle, repository
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
@@ -51,28 +54,64 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
     )
 
 
-def submit(session: Session, *, user: User, spec: JobSpec) -> JobRow:
-    """Record a new queued job (the caller publishes it once the transaction has committed)."""
+def _row_values(*, user: User, spec: JobSpec) -> dict[str, Any]:
     stored = spec.model_dump(mode="json")
     # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
     # shows is exactly what ran, whatever later versions choose as defaults.
     stored["hyperparameters"].update(recipe_params(spec))
-    job = JobRow(
-        id=uuid.uuid4().hex,
-        name=spec.name,
-        owner_id=user.id,
-        status=JobStatus.QUEUED.value,
-        spec=stored,
-        priority=spec.priority,
-        labels=dict(spec.labels),
-        total_steps=spec.hyperparameters.steps,
-        max_restarts=spec.max_restarts,
-        latest_metrics={},
-    )
-    session.add(job)
-    session.flush()
-    lifecycle.record_created(session, job=job)
+    return {
+        "id": uuid.uuid4().hex,
+        "name": spec.name,
+        "owner_id": user.id,
+        "status": JobStatus.QUEUED.value,
+        "spec": stored,
+        "priority": spec.priority,
+        "labels": dict(spec.labels),
+        "total_steps": spec.hyperparameters.steps,
+        "max_restarts": spec.max_restarts,
+        "latest_metrics": {},
+    }
+
+
+def spec_hash(stored: dict[str, Any]) -> str:
+    """sha256 of a spec's canonical JSON (defaults filled in), so equal specs hash equal however written."""
+    canonical = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def submit(session: Session, *, user: User, spec: JobSpec) -> JobRow:
+    """Record a new queued job (the caller publishes it once the transaction has committed)."""
+    job, _ = _insert(session, values=_row_values(user=user, spec=spec))
+    assert job is not None
     return job
+
+
+def submit_once(session: Session, *, user: User, spec: JobSpec, key: str) -> tuple[JobRow, bool]:
+    """Submit under an `Idempotency-Key`: (job, True) if created now, (the earlier job, False) on a replay.
+
+    The unique (owner_id, idempotency_key) decides, not a read-then-write: of concurrent retries one
+    insert wins, the others wait for it to commit and then read it. Conflict if the key was used
+    with another spec.
+    """
+    values = _row_values(user=user, spec=spec)
+    values |= {"idempotency_key": key, "request_hash": spec_hash(values["spec"])}
+    job, created = _insert(session, values=values)
+    if job is None:
+        job = repository.by_idempotency_key(session, owner_id=user.id, key=key)
+        if job is None:  # the winner rolled back after all: never happens without a crash; retry
+            raise Conflict(f"a submit with Idempotency-Key {key!r} is in flight; retry")
+    if job.request_hash != values["request_hash"]:
+        raise Conflict(f"Idempotency-Key {key!r} was already used for job {job.id} with another spec")
+    return job, created
+
+
+def _insert(session: Session, *, values: dict[str, Any]) -> tuple[JobRow | None, bool]:
+    job = repository.insert_job(session, values=values)
+    if job is None:
+        return None, False
+    lifecycle.record_created(session, job=job)
+    session.flush()
+    return job, True
 
 
 def get_visible(session: Session, *, user: User, job_id: str) -> JobRow:

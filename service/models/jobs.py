@@ -17,6 +17,11 @@ class Job(Base):
         # Keyset pagination, newest first, per owner and overall.
         Index("ix_jobs_owner_created", "owner_id", "created_at", "id"),
         Index("ix_jobs_created", "created_at", "id"),
+        # The claim counts an owner's running jobs (the per-user limit).
+        Index("ix_jobs_owner_status", "owner_id", "status"),
+        # One job per (owner, Idempotency-Key): concurrent retries of a submit create one job.
+        # NULL keys (submits without the header) never collide.
+        UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
         # Counts by status, and a status-filtered page in keyset order without a sort.
         Index("ix_jobs_status_created", "status", "created_at", "id"),
         # `updated_since` polling, and the start-delay histogram of /metrics.
@@ -56,6 +61,12 @@ class Job(Base):
     # worker (a duplicate delivery, a lost lease) can never overwrite a newer attempt's state.
     claim_token: Mapped[str | None] = mapped_column(String(32), default=None)
     worker: Mapped[str | None] = mapped_column(String(255), default=None)
+    # The submit's `Idempotency-Key` and the sha256 of its canonical spec (a replay must match it).
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), default=None)
+    request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+    # A claim refused by the owner's running-jobs limit left it queued with no message in the
+    # broker: it is published again when one of the owner's jobs ends (or by the reconciler).
+    quota_deferred: Mapped[bool] = mapped_column(default=False)
 
 
 class JobTransition(Base):

@@ -6,10 +6,12 @@ from fastapi import APIRouter
 
 from api_schemas import WorkerList
 from service.deps import CurrentUser, SessionDep, SettingsDep
-from service.errors import Unauthorized, error_responses
+from service.errors import TooManyRequests, Unauthorized, error_responses
 from service.workers import service
 
-router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=error_responses(Unauthorized))
+router = APIRouter(
+    prefix="/v1/workers", tags=["workers"], responses=error_responses(Unauthorized, TooManyRequests)
+)
 
 
 @router.get("", response_model=WorkerList)

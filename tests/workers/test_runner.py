@@ -160,3 +160,29 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     assert error is not None and error["type"] == "CollectiveTimeout", error
     assert "collective_timeout_seconds" in error["message"]
     assert rank_processes(job_id) == [], "the stuck rank must be killed too"
+
+
+def test_the_running_limit_holds_a_job_back_and_the_end_of_a_run_releases_it(
+    settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from service.jobs import lifecycle
+    from service.users import repository as users
+    from tests.api_fixtures import RecordingDispatcher
+
+    published = RecordingDispatcher()
+    monkeypatch.setattr("service.dispatch.CeleryDispatcher", lambda _settings: published)
+    limited = settings.model_copy(update={"max_running_jobs_per_user": 1})
+    spec = JobSpec.model_validate({"name": "q", "recipe": "mlp", "hyperparameters": {"steps": 2}})
+    with sessions.begin() as s:
+        user = users.create(s, name="limited", is_admin=False)
+        assert user is not None
+        busy, held, last = (service.submit(s, user=user, spec=spec).id for _ in range(3))
+        assert lifecycle.claim(s, job_id=busy, worker="elsewhere:1") is not None  # runs elsewhere
+    assert run_attempt(job_id=held, settings=limited) is None, "over the limit: nothing runs"
+    job = _job(sessions, held)
+    assert (job.status, job.quota_deferred) == ("queued", True), f"held back, got {job.status}"
+    with sessions.begin() as s:
+        lifecycle.transition(s, job_id=busy, src=JobStatus.RUNNING, dst=JobStatus.SUCCEEDED)
+    assert run_attempt(job_id=last, settings=limited) is JobStatus.SUCCEEDED
+    assert published.sent == [held], f"the end of a run publishes the held-back job, got {published.sent}"
+    assert run_attempt(job_id=held, settings=limited) is JobStatus.SUCCEEDED, "and then it runs"

@@ -1,0 +1,40 @@
+"""Users and their API tokens on the wire."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from api_schemas.jobs import Strict
+
+UserName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+]
+
+
+class UserCreate(Strict):
+    """What an admin sends to `POST /v1/users`."""
+
+    # Strict: `"admin": 0` or `"admin": "yes"` is refused rather than read as a boolean.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: UserName
+    admin: bool = Field(False, description="Admins see and manage every job and create users.")
+
+
+class UserInfo(BaseModel):
+    """Who a user is (never their tokens)."""
+
+    name: str
+    admin: bool
+    created_at: datetime
+
+
+class IssuedToken(BaseModel):
+    """A new bearer token: shown this once, stored only as its sha256."""
+
+    name: str
+    admin: bool
+    token: str = Field(description="Send as `Authorization: Bearer <token>`; it is not shown again.")

@@ -1,0 +1,58 @@
+"""Every SQL query of the users domain: users and their hashed tokens."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.db import insert_for
+from service.models import ApiToken, User
+
+
+def by_name(session: Session, *, name: str) -> User | None:
+    """A user by name."""
+    return session.execute(select(User).where(User.name == name)).scalar_one_or_none()
+
+
+def create(session: Session, *, name: str, is_admin: bool) -> User | None:
+    """Insert a user; None if the name is taken (the unique constraint decides, even under a race)."""
+    stmt = (
+        insert_for(session, User)
+        .values(name=name, is_admin=is_admin)
+        .on_conflict_do_nothing(index_elements=[User.name])
+        .returning(User.id)
+    )
+    user_id = session.execute(stmt).scalar_one_or_none()
+    return None if user_id is None else session.get(User, user_id)
+
+
+def add_token(session: Session, *, user_id: int, token_hash: str) -> None:
+    """Store one more token hash of a user (a hash already stored is left as it is)."""
+    stmt = (
+        insert_for(session, ApiToken)
+        .values(user_id=user_id, token_hash=token_hash)
+        .on_conflict_do_nothing(index_elements=[ApiToken.token_hash])
+    )
+    session.execute(stmt)
+
+
+def revoke_tokens(session: Session, *, user_id: int, now: datetime) -> int:
+    """Revoke every live token of a user; returns how many."""
+    stmt = (
+        update(ApiToken)
+        .where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=now)
+    )
+    return int(session.execute(stmt).rowcount or 0)  # type: ignore[attr-defined]
+
+
+def user_for_token_hash(session: Session, *, token_hash: str) -> User | None:
+    """The user of a live (unrevoked) token hash."""
+    stmt = (
+        select(User)
+        .join(ApiToken, ApiToken.user_id == User.id)
+        .where(ApiToken.token_hash == token_hash, ApiToken.revoked_at.is_(None))
+    )
+    return session.execute(stmt).scalar_one_or_none()

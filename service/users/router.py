@@ -1,0 +1,62 @@
+"""Thin routes of `/v1/users`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response, status
+
+from api_schemas import IssuedToken, UserCreate, UserInfo
+from service.deps import CurrentUser, SessionDep
+from service.errors import (
+    Conflict,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    TooManyRequests,
+    Unauthorized,
+    error_responses,
+)
+from service.users import service
+
+router = APIRouter(
+    prefix="/v1/users", tags=["users"], responses=error_responses(Unauthorized, TooManyRequests)
+)
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=IssuedToken,
+    responses=error_responses(Forbidden, Conflict, PayloadTooLarge),
+)
+def create_user(body: UserCreate, session: SessionDep, user: CurrentUser) -> IssuedToken:
+    """Create a user (admins only) and return its first token, shown this once."""
+    return service.create_by(session, actor=user, name=body.name, admin=body.admin)
+
+
+@router.get("/me", response_model=UserInfo)
+def who_am_i(user: CurrentUser) -> UserInfo:
+    """The user this token belongs to."""
+    return service.to_info(user)
+
+
+@router.post(
+    "/{name}/tokens",
+    status_code=status.HTTP_201_CREATED,
+    response_model=IssuedToken,
+    responses=error_responses(NotFound),
+)
+def issue_token(name: str, session: SessionDep, user: CurrentUser) -> IssuedToken:
+    """Issue another token for a user (admins: anyone; users: themselves), shown this once."""
+    return service.issue_token(session, actor=user, name=name)
+
+
+@router.delete(
+    "/{name}/tokens",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    responses=error_responses(NotFound),
+)
+def revoke_tokens(name: str, session: SessionDep, user: CurrentUser) -> Response:
+    """Revoke every token of a user at once (admins: anyone; users: themselves)."""
+    service.revoke_tokens(session, actor=user, name=name)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

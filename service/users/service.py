@@ -1,0 +1,60 @@
+"""The rules of the users domain: who may create users and issue or revoke tokens. Services only flush."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from api_schemas import IssuedToken, UserInfo
+from service.auth.tokens import hash_token, new_token
+from service.errors import Conflict, Forbidden, NotFound
+from service.models import User
+from service.models.base import utcnow
+from service.users import repository
+
+
+def to_info(user: User) -> UserInfo:
+    """The wire form of a user."""
+    return UserInfo(name=user.name, admin=user.is_admin, created_at=user.created_at)
+
+
+def create(session: Session, *, name: str, admin: bool) -> IssuedToken:
+    """Create a user with a first token (the token is returned here and never again); Conflict if taken."""
+    user = repository.create(session, name=name, is_admin=admin)
+    if user is None:
+        raise Conflict(f"user {name!r} already exists")
+    return _issue(session, user=user)
+
+
+def create_by(session: Session, *, actor: User, name: str, admin: bool) -> IssuedToken:
+    """`create` on behalf of `actor`, who must be an admin."""
+    if not actor.is_admin:
+        raise Forbidden("only an admin can create users")
+    return create(session, name=name, admin=admin)
+
+
+def _issue(session: Session, *, user: User) -> IssuedToken:
+    token = new_token()
+    repository.add_token(session, user_id=user.id, token_hash=hash_token(token))
+    return IssuedToken(name=user.name, admin=user.is_admin, token=token)
+
+
+def _target(session: Session, *, actor: User | None, name: str) -> User:
+    # An admin (or the server-side CLI, actor None) may act on anyone; a user only on themselves.
+    # Another's name answers 404 like an unknown one, so names do not leak.
+    if actor is not None and not actor.is_admin and actor.name != name:
+        raise NotFound(f"user {name!r} not found")
+    user = repository.by_name(session, name=name)
+    if user is None:
+        raise NotFound(f"user {name!r} not found")
+    return user
+
+
+def issue_token(session: Session, *, actor: User | None, name: str) -> IssuedToken:
+    """Another token for `name` (admins: anyone; users: themselves)."""
+    return _issue(session, user=_target(session, actor=actor, name=name))
+
+
+def revoke_tokens(session: Session, *, actor: User | None, name: str) -> int:
+    """Revoke every token of `name` at once (admins: anyone; users: themselves); returns how many."""
+    user = _target(session, actor=actor, name=name)
+    return repository.revoke_tokens(session, user_id=user.id, now=utcnow())

@@ -1,0 +1,59 @@
+"""The embedded service (SQLite): users, Idempotency-Key and the running-jobs limit work there too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api_schemas import JobStatus
+from migrations import upgrade
+from service.app import create_app
+from service.config import Settings
+from service.jobs import lifecycle
+from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, as_user
+from tests.jobs.test_router import SPEC
+from workers.reconciler import republish_deferred
+
+
+@pytest.fixture
+def sqlite_client(tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
+        broker_url="memory://",
+        artifact_root=tmp_path / "artifacts",
+        bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
+    )
+    upgrade(settings.database_url)
+    app = create_app(settings, dispatcher=RecordingDispatcher())
+    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
+        yield c
+
+
+def test_users_idempotency_and_the_running_limit_on_sqlite(sqlite_client: TestClient) -> None:
+    c = sqlite_client
+    token = c.post("/v1/users", json={"name": "mona"}).json()["token"]
+    assert c.post("/v1/users", json={"name": "mona"}).status_code == 409, "a taken name on SQLite"
+    mona = as_user(token)
+    first = c.post("/v1/jobs", json=SPEC, headers={**mona, "Idempotency-Key": "k"})
+    again = c.post("/v1/jobs", json=SPEC, headers={**mona, "Idempotency-Key": "k"})
+    assert (first.status_code, again.status_code) == (201, 200), (first.text, again.text)
+    assert first.json()["id"] == again.json()["id"], "a replay answers the same job on SQLite"
+    other = c.post("/v1/jobs", json={**SPEC, "name": "x"}, headers={**mona, "Idempotency-Key": "k"})
+    assert other.status_code == 409, f"another spec under the key: expected 409, got {other.status_code}"
+
+    second = c.post("/v1/jobs", json=SPEC, headers=mona).json()["id"]
+    sessions = c.app.state.session_factory  # type: ignore[attr-defined]
+    claimed = []
+    for job_id in (first.json()["id"], second):
+        with sessions.begin() as s:
+            claimed.append(lifecycle.claim(s, job_id=job_id, worker="w", max_running_per_user=1) is not None)
+    assert claimed == [True, False], f"limit 1 on SQLite: expected [True, False], got {claimed}"
+    c.delete("/v1/users/mona/tokens")
+    assert c.get("/v1/users/me", headers=mona).status_code == 401, "revoked at once on SQLite"
+    with sessions.begin() as s:
+        lifecycle.transition(s, job_id=first.json()["id"], src=JobStatus.RUNNING, dst=JobStatus.FAILED)
+    sent = RecordingDispatcher()
+    assert republish_deferred(sessions=sessions, dispatcher=sent, max_running=1) == [second]

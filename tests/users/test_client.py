@@ -1,0 +1,26 @@
+"""The CLI's client submits under an Idempotency-Key and retries with the same key."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from dptrain_cli.client import Client
+
+
+def test_a_submit_whose_answer_was_lost_is_retried_with_the_same_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dptrain_cli.client.time.sleep", lambda _s: None)
+    keys: list[str] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["Idempotency-Key"])
+        if len(keys) == 1:  # accepted, but the answer never arrives
+            raise httpx.ReadTimeout("lost", request=request)
+        return httpx.Response(200, json={"id": "job-1"})
+
+    client = Client("http://api", token="t")
+    client.http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(server))
+    assert client.submit({"name": "x"}) == {"id": "job-1"}
+    assert len(keys) == 2 and keys[0] == keys[1] and keys[0], f"expected one key sent twice, got {keys}"
+    client.submit({"name": "y"})
+    assert keys[2] != keys[0], "each submit has a key of its own"
