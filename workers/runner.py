@@ -49,6 +49,7 @@ NOT_RETRIED = frozenset(
         "SyntaxError",
         "AssertionError",
         "NotImplementedError",
+        "PermissionError",
         "CheckpointMissing",
     }
 )
