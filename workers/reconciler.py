@@ -123,24 +123,33 @@ class Reconciler(threading.Thread):
         self.sessions, self.dispatcher, self.settings = sessions, dispatcher, settings
         self.interval = settings.reconcile_interval_seconds
         self.stopped = threading.Event()
-        self._last_purge = 0.0
+        self._last_purge = -PURGE_EVERY_SECONDS
+        # Since when every round reached the database (a fresh worker also waits a lease first).
+        self._db_ok_since: float | None = time.monotonic()
 
     def run_once(self) -> None:
         """One round; each part on its own, so a failing one does not starve the others."""
         s = self.settings
+        now = time.monotonic()
         parts: list[Callable[[], object]] = [
             lambda: republish_stale(
                 sessions=self.sessions, dispatcher=self.dispatcher, after_seconds=s.republish_after_seconds
-            ),
-            lambda: recover_lost(
-                sessions=self.sessions,
-                settings=s,
-                dispatcher=self.dispatcher,
-                lease_seconds=s.worker_lease_seconds,
-            ),
+            )
         ]
-        if time.monotonic() - self._last_purge > PURGE_EVERY_SECONDS:
-            self._last_purge = time.monotonic()
+        # After a database outage every worker's heartbeat is stale at once, though they are alive:
+        # take leases only once the database has answered us for a whole lease (by then every live
+        # worker has beaten again).
+        if self._db_ok_since is not None and now - self._db_ok_since >= s.worker_lease_seconds:
+            parts.append(
+                lambda: recover_lost(
+                    sessions=self.sessions,
+                    settings=s,
+                    dispatcher=self.dispatcher,
+                    lease_seconds=s.worker_lease_seconds,
+                )
+            )
+        if now - self._last_purge > PURGE_EVERY_SECONDS:
+            self._last_purge = now
             parts.append(
                 lambda: purge_expired(sessions=self.sessions, retention_days=s.history_retention_days)
             )
@@ -149,6 +158,10 @@ class Reconciler(threading.Thread):
                 part()
             except Exception:  # noqa: BLE001 - e.g. the database restarting; try again next round
                 log.warning("reconciler round failed", exc_info=True)
+                self._db_ok_since = None
+                return
+        if self._db_ok_since is None:
+            self._db_ok_since = now
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):

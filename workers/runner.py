@@ -23,7 +23,8 @@ from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.jobs import lifecycle
 from service.jobs import repository as jobs_repository
-from workers.engine.launch import torchrun_command
+from service.models.base import utcnow
+from workers.engine.launch import SUPERVISOR_ENV, supervisor_id, torchrun_command
 from workers.reporting import Reporter
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,8 @@ def _supervise(
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
         error = {"type": "CheckpointMissing", "message": missing, "rank": None}
         return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
+    if att.number > 1:
+        _sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
     paths.spec_path.write_text(json.dumps(spec, indent=2))
     cmd = torchrun_command(
         job_id=job_id,
@@ -203,7 +206,7 @@ def _supervise(
     )
     # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
     # rank free to use every core.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: supervisor_id()}
     reporter = Reporter(
         sessions=sessions, job_id=job_id, attempt=paths.attempt, claim_token=token, run_dir=paths.run_dir
     )
@@ -267,6 +270,39 @@ def _missing_checkpoints(sessions: sessionmaker[Session], *, job_id: str, direct
     return (
         f"the job recorded {len(rows)} checkpoints (last at step {rows[-1].step}) but {directory} holds none"
     )
+
+
+def _sync_checkpoints(sessions: sessionmaker[Session], *, att: Attempt, directory: Path) -> None:
+    """Make the job's checkpoint rows match its files before a restart.
+
+    Ranks of a lost worker may have saved (and pruned, keep_last) checkpoints that nobody reported:
+    list what is there, verified by its sidecar, and forget rows whose files are gone.
+    """
+    files: dict[int, Path] = {}
+    for path in directory.glob("ckpt-*.pt"):
+        if path.name[5:14].isdigit():
+            files[int(path.name[5:14])] = path
+    with sessions.begin() as session:
+        rows = {c.step: c.path for c in jobs_repository.checkpoints(session, job_id=att.job_id)}
+        gone = [path for step, path in rows.items() if step not in files]
+        jobs_repository.delete_checkpoints(session, job_id=att.job_id, paths=gone)
+        for step, path in sorted(files.items()):
+            sidecar = path.with_name(path.name + ".sha256")
+            if step in rows or not sidecar.exists():
+                continue
+            words = sidecar.read_text().split()
+            row = {
+                "job_id": att.job_id,
+                "attempt": max(1, att.number - 1),
+                "step": step,
+                "path": str(path),
+                "size_bytes": path.stat().st_size,
+                "sha256": words[0] if words else "",
+                "created_at": utcnow(),
+            }
+            jobs_repository.upsert_checkpoint(session, row=row)
+        if not jobs_repository.fenced_update(session, job_id=att.job_id, claim_token=att.token, values={}):
+            session.rollback()
 
 
 def _record_outcome(
