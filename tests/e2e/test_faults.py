@@ -144,6 +144,18 @@ def test_postgres_restarted_mid_run_the_job_succeeds_with_all_its_metrics(faulty
     faulty.assert_complete_metrics(job_id)
 
 
+def test_redis_restarted_mid_run_the_job_succeeds_once(faulty: Faulty) -> None:
+    job_id = faulty.submit("redis-restart")
+    faulty.wait_step(job_id, 5)
+    faulty.redis.stop()  # no persistence: the job's unacked message is gone with it
+    time.sleep(2)
+    faulty.redis.start()
+    job = wait_for_terminal(faulty.http, job_id, procs=faulty.procs)
+    assert job["status"] == "succeeded" and job["attempt"] == 1, (job, faulty.procs.logs())
+    assert [t["to_status"] for t in faulty.timeline(job_id)] == ["queued", "running", "succeeded"]
+    faulty.assert_complete_metrics(job_id)
+
+
 def test_a_sigkilled_worker_s_job_is_taken_up_by_a_restarted_worker(faulty: Faulty) -> None:
     job_id = faulty.submit("worker-killed", hyperparameters={"global_batch_size": 8, "steps": 60})
     faulty.wait_step(job_id, 8)

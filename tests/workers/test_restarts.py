@@ -7,7 +7,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -116,6 +115,8 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     assert out == [JobStatus.QUEUED], f"expected the attempt to end requeued, got {out}"
     assert dispatcher.sent == [job_id], "the restart is published again"
     assert rank_processes(job_id) == [], "no rank of the killed attempt may survive"
+    pid_file = settings.artifacts / "jobs" / job_id / "attempt-1" / "torchrun.pid"
+    assert pid_file.read_text().strip().isdigit(), "each attempt names its process group for operators"
     job = _job(sessions, job_id)
     assert job.status == "queued" and job.claim_token is None and job.error is not None
 
@@ -182,10 +183,3 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
     job = _job(sessions, job_id)
     assert job.error is not None and job.error["type"] == "CheckpointMissing", job.error
     assert not (settings.artifacts / "jobs" / job_id / "attempt-2" / "events" / "rank0.jsonl").exists()
-
-
-def test_pid_file_names_the_launcher(settings: Settings, sessions: sessionmaker[Session]) -> None:
-    job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 2})
-    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
-    pid_file = Path(settings.artifacts) / "jobs" / job_id / "attempt-1" / "torchrun.pid"
-    assert pid_file.read_text().strip().isdigit()
