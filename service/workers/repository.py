@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import delete, insert, select, update
@@ -70,6 +70,11 @@ def leased_jobs(
         .where(Job.status == "running", Job.claim_token.is_not(None))
     )
     return [
-        (j, str(w), str(t), int(a), int(m), dict(s), started, beat)
+        (j, str(w), str(t), int(a), int(m), dict(s), _aware(started), _aware(beat))
         for j, w, t, a, m, s, started, beat in session.execute(stmt)
     ]
+
+
+def _aware(at: datetime | None) -> datetime | None:
+    # SQLite (the embedded service) hands back naive datetimes; every time we store is UTC.
+    return at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at

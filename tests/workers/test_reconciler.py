@@ -135,3 +135,32 @@ def test_history_past_the_retention_is_deleted_and_the_job_row_kept(
     assert kept == {old: (0, 0), recent: (1, 1), running: (1, 1)}, kept
     assert db.get(Job, old) is not None and db.query(JobTransition).filter_by(job_id=old).count() >= 1
     assert purge_expired(sessions=sessions, retention_days=7) == 0
+
+
+def test_lost_leases_are_found_on_sqlite_too(tmp_path: Path) -> None:
+    """The embedded service's SQLite hands back naive datetimes; the lease check must still work."""
+    from api_schemas import JobSpec
+    from migrations import upgrade
+    from service.auth.tokens import ensure_bootstrap_admin
+    from service.db import session_factory
+    from service.jobs import service
+    from tests.api_fixtures import ADMIN_TOKEN
+
+    url = f"sqlite:///{tmp_path / 'dptrain.db'}"
+    upgrade(url)
+    settings = Settings(database_url=url, home=tmp_path)
+    sessions = session_factory(settings)
+    ago = utcnow() - timedelta(minutes=5)
+    with sessions.begin() as s:
+        admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        job_id = service.submit(s, user=admin, spec=JobSpec.model_validate(SPEC)).id
+        s.add(Worker(name="w:1", hostname="h", device="cpu", device_count=1, slots=1, last_heartbeat=ago))
+    with sessions.begin() as s:
+        s.query(Job).filter_by(id=job_id).update(
+            {"status": "running", "attempt": 1, "claim_token": "t" * 32, "worker": "w:1", "started_at": ago}
+        )
+    again = RecordingDispatcher()
+    assert recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60) == [job_id]
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed", "max_restarts 0: a lost worker fails the job"
