@@ -41,7 +41,10 @@ def _start_reconciler(sender: Any = None, **_: Any) -> None:
     from workers.runner import worker_name
 
     _reconciler = Reconciler(
-        sessions=session_factory(settings), dispatcher=CeleryDispatcher(settings), settings=settings
+        sessions=session_factory(settings),
+        dispatcher=CeleryDispatcher(settings),
+        settings=settings,
+        me=worker_name(),
     )
     _reconciler.start()
     # `sender` is the worker's consumer: its queues tell the device kind, its controller the slots.

@@ -24,6 +24,7 @@ from service.dispatch import Dispatcher
 from service.jobs import repository
 from service.models.base import utcnow
 from service.workers import repository as workers_repository
+from workers.runner import ACTIVE, Attempt, end_abnormally, sweep_ranks
 
 log = logging.getLogger(__name__)
 
@@ -52,23 +53,33 @@ def republish_stale(
 
 
 def recover_lost(
-    *, sessions: sessionmaker[Session], settings: Settings, dispatcher: Dispatcher, lease_seconds: float
+    *,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    dispatcher: Dispatcher,
+    lease_seconds: float,
+    me: str | None = None,
+    running_here: set[str] | frozenset[str] = frozenset(),
 ) -> list[str]:
     """End every running attempt whose worker lost its lease; returns the ids of those jobs.
 
     A worker holds a job's lease while its heartbeat is younger than `lease_seconds`. A lost
     attempt is ended with a conditional update on its claim token, so a worker that comes back
-    finds itself fenced out (its reporter stops its ranks and writes nothing more).
+    finds itself fenced out (its reporter stops its ranks and writes nothing more). A job held by
+    this worker (`me`) but not in `running_here` is lost too: its attempt ended without recording
+    its end state (the database was down for longer than the runner retries).
     """
-    from workers.runner import Attempt, end_abnormally, sweep_ranks
-
     now = utcnow()
     cutoff = now - timedelta(seconds=lease_seconds)
     with sessions() as session:
         leases = workers_repository.leased_jobs(session)
     lost = []
     for job_id, worker, token, attempt, max_restarts, spec, started, beat in leases:
-        if beat is not None:
+        if me is not None and worker == me:
+            if job_id in running_here:
+                continue
+            why = f"worker {worker} lost: its attempt ended without recording an end state"
+        elif beat is not None:
             if beat >= cutoff:
                 continue
             why = f"worker {worker} lost: no heartbeat for {(now - beat).total_seconds():.0f} s"
@@ -118,8 +129,10 @@ class Reconciler(threading.Thread):
         sessions: sessionmaker[Session],
         dispatcher: Dispatcher,
         settings: Settings,
+        me: str | None = None,
     ) -> None:
         super().__init__(name="dptrain-reconciler", daemon=True)
+        self.me = me  # this worker's name, as claims record it
         self.sessions, self.dispatcher, self.settings = sessions, dispatcher, settings
         self.interval = settings.reconcile_interval_seconds
         self.stopped = threading.Event()
@@ -146,6 +159,8 @@ class Reconciler(threading.Thread):
                     settings=s,
                     dispatcher=self.dispatcher,
                     lease_seconds=s.worker_lease_seconds,
+                    me=self.me,
+                    running_here=frozenset(ACTIVE),
                 )
             )
         if now - self._last_purge > PURGE_EVERY_SECONDS:

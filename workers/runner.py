@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 
 TRACEBACK_TAIL_LINES = 40
 FINAL_FLUSH_SECONDS = 300
+# How long the end state of an attempt is retried through a database outage. Past it the job stays
+# `running` under this worker's name; this worker's reconciler, seeing it not in ACTIVE, ends it.
+FINISH_RETRY_SECONDS = 3600
+
+# Jobs this worker process is running an attempt of right now (the Celery pool's threads add and
+# remove them; the reconciler of the same process reads it).
+ACTIVE: set[str] = set()
 
 # Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and
 # a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
@@ -112,6 +119,16 @@ def run_attempt(*, job_id: str, settings: Settings, dispatcher: Dispatcher | Non
     Returns QUEUED when the attempt ended abnormally and the job was requeued for a restart
     (republished through `dispatcher`, by default the Celery queue of the job's device).
     """
+    # Registered before the claim commits, so this worker's reconciler never sees the job claimed
+    # by us and not running here unless its attempt really ended without recording its end state.
+    ACTIVE.add(job_id)
+    try:
+        return _run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher)
+    finally:
+        ACTIVE.discard(job_id)
+
+
+def _run_attempt(*, job_id: str, settings: Settings, dispatcher: Dispatcher | None) -> JobStatus | None:
     sessions = session_factory(settings)
     with sessions.begin() as session:
         job = lifecycle.claim(session, job_id=job_id, worker=worker_name())
@@ -355,7 +372,8 @@ def _finish(
     """
     values = {**({"error": error} if error else {}), **(values or {})}
     delay = 0.5
-    for _ in range(60):
+    give_up = time.monotonic() + FINISH_RETRY_SECONDS
+    while True:
         try:
             with sessions.begin() as session:
                 done = lifecycle.transition(
@@ -369,10 +387,11 @@ def _finish(
                 )
             return done is not None
         except Exception:  # noqa: BLE001
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"could not record the end state of job {job_id}") from None
             log.warning("job %s: recording %s failed; retrying", job_id, dst.value, exc_info=True)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
-    raise RuntimeError(f"could not record the end state of job {job_id}")
 
 
 def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:

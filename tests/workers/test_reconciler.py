@@ -109,6 +109,25 @@ class TestLostWorkers:
         assert stale.flush() and stale.state.fenced_out
         assert recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60) == []
 
+    def test_a_job_this_worker_claimed_but_no_longer_runs_is_lost(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
+    ) -> None:
+        """The end state could not be recorded (a database outage longer than the runner retries)."""
+        orphan, running = (client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(2))
+        self._beat(db, "me:1", age=timedelta(seconds=0))
+        self._running(db, orphan, worker="me:1", max_restarts=1)
+        self._running(db, running, worker="me:1", max_restarts=1)
+        db.commit()
+        lost = recover_lost(
+            sessions=sessions,
+            settings=settings,
+            dispatcher=RecordingDispatcher(),
+            lease_seconds=60,
+            me="me:1",
+            running_here={running},
+        )
+        assert lost == [orphan], f"only the job this worker no longer runs is lost, got {lost}"
+
 
 def test_history_past_the_retention_is_deleted_and_the_job_row_kept(
     client: TestClient, sessions: sessionmaker[Session], db: Session
