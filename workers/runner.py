@@ -235,7 +235,8 @@ def _supervise(
             cmd, stdout=launcher_out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     # For operators (and a recovering worker on another machine's tooling): which group to kill.
-    paths.pid_file.write_text(f"{proc.pid}\n")
+    with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
+        paths.pid_file.write_text(f"{proc.pid}\n")
     stopped_for: str | None = None
     try:
         while proc.poll() is None:
