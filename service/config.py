@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     reconcile_interval_seconds: float = 60.0
     # How often each worker process refreshes its row in `workers`; lost after 3 missed beats.
     worker_heartbeat_seconds: float = 5.0
+    # The attempt lease: a running job whose worker has not beaten for this long (or whose worker row
+    # is gone) is taken from it by any worker's reconciler, fenced, and restarted or failed.
+    worker_lease_seconds: float = 60.0
+    # Log lines and metric points of jobs finished more than this many days ago are deleted (the job
+    # row, its timeline, latest metrics, error and checkpoints stay). 0 keeps everything.
+    history_retention_days: float = 0.0
 
     # Module prefixes whose `package.module:function` a job's `entrypoint` may name, comma-separated.
     # Empty: no user code runs at all.

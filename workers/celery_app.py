@@ -19,6 +19,11 @@ app.conf.update(
     # process that holds SQLAlchemy connections.
     worker_pool="threads",
     worker_hijack_root_logger=False,
+    # A broker restart must not end a job that is running fine: keep the task running through a lost
+    # connection (its unacked message may be delivered again, and the claim refuses that delivery),
+    # and reconnect for as long as it takes. See docs/reliability.md.
+    worker_cancel_long_running_tasks_on_connection_loss=False,
+    broker_connection_max_retries=None,
 )
 
 
@@ -38,8 +43,8 @@ def _start_reconciler(sender: Any = None, **_: Any) -> None:
     _reconciler = Reconciler(
         sessions=session_factory(settings),
         dispatcher=CeleryDispatcher(settings),
-        after_seconds=settings.republish_after_seconds,
-        interval=settings.reconcile_interval_seconds,
+        settings=settings,
+        me=worker_name(),
     )
     _reconciler.start()
     # `sender` is the worker's consumer: its queues tell the device kind, its controller the slots.

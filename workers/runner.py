@@ -20,14 +20,63 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobStatus
 from service.config import Settings
 from service.db import session_factory
+from service.dispatch import CeleryDispatcher, Dispatcher
 from service.jobs import lifecycle
-from workers.engine.launch import torchrun_command
+from service.jobs import repository as jobs_repository
+from service.models.base import utcnow
+from workers.engine.launch import SUPERVISOR_ENV, supervisor_id, torchrun_command
 from workers.reporting import Reporter
 
 log = logging.getLogger(__name__)
 
 TRACEBACK_TAIL_LINES = 40
 FINAL_FLUSH_SECONDS = 300
+# How long the end state of an attempt is retried through a database outage. Past it the job stays
+# `running` under this worker's name; this worker's reconciler, seeing it not in ACTIVE, ends it.
+FINISH_RETRY_SECONDS = 3600
+
+# Jobs this worker process is running an attempt of right now (the Celery pool's threads add and
+# remove them; the reconciler of the same process reads it).
+ACTIVE: set[str] = set()
+
+# Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and
+# a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
+# else -- a signal, a lost peer (Gloo/NCCL errors are RuntimeErrors), an OOM, a timeout, the
+# launcher itself -- is retried while the job has restarts left. See docs/reliability.md.
+NOT_RETRIED = frozenset(
+    {
+        "FloatingPointError",
+        "ValueError",
+        "TypeError",
+        "KeyError",
+        "IndexError",
+        "AttributeError",
+        "NameError",
+        "ImportError",
+        "ModuleNotFoundError",
+        "SyntaxError",
+        "AssertionError",
+        "NotImplementedError",
+        "PermissionError",
+        "CheckpointMissing",
+    }
+)
+
+
+def is_retryable(error: dict[str, Any]) -> bool:
+    """Whether an attempt that ended with `error` may be restarted (if the job has restarts left)."""
+    return str(error.get("type")) not in NOT_RETRIED
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The claimed attempt: its number, fencing token and restart budget."""
+
+    job_id: str
+    number: int
+    token: str
+    max_restarts: int
+    device: str
 
 
 @dataclass(frozen=True)
@@ -53,14 +102,33 @@ class RunPaths:
     def launcher_log(self) -> Path:
         return self.run_dir / "logs" / "launcher.log"
 
+    @property
+    def pid_file(self) -> Path:
+        """torchrun's pid, which is also its process group id (it leads a session of its own)."""
+        return self.run_dir / "torchrun.pid"
+
 
 def worker_name() -> str:
     """This worker's name as recorded on the jobs it claims."""
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def run_attempt(*, job_id: str, settings: Settings) -> JobStatus | None:
-    """Run one attempt of `job_id` to its end; None if the job was not claimable (duplicate delivery)."""
+def run_attempt(*, job_id: str, settings: Settings, dispatcher: Dispatcher | None = None) -> JobStatus | None:
+    """Run one attempt of `job_id` to its end; None if the job was not claimable (duplicate delivery).
+
+    Returns QUEUED when the attempt ended abnormally and the job was requeued for a restart
+    (republished through `dispatcher`, by default the Celery queue of the job's device).
+    """
+    # Registered before the claim commits, so this worker's reconciler never sees the job claimed
+    # by us and not running here unless its attempt really ended without recording its end state.
+    ACTIVE.add(job_id)
+    try:
+        return _run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher)
+    finally:
+        ACTIVE.discard(job_id)
+
+
+def _run_attempt(*, job_id: str, settings: Settings, dispatcher: Dispatcher | None) -> JobStatus | None:
     sessions = session_factory(settings)
     with sessions.begin() as session:
         limit = settings.max_running_jobs_per_user
@@ -68,24 +136,62 @@ def run_attempt(*, job_id: str, settings: Settings) -> JobStatus | None:
         if job is None:
             log.info("job %s not claimable: a duplicate, cancelled, or its owner is at the limit", job_id)
             return None
-        attempt, token, spec, owner = job.attempt, str(job.claim_token), dict(job.spec), job.owner_id
-    paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt)
+        spec, owner = dict(job.spec), job.owner_id
+        att = Attempt(
+            job_id=job_id,
+            number=job.attempt,
+            token=str(job.claim_token),
+            max_restarts=job.max_restarts,
+            device=str(spec.get("resources", {}).get("device", "cpu")),
+        )
+    paths = RunPaths(settings.artifacts / "jobs" / job_id, att.number)
     try:
         return _supervise(
-            sessions=sessions, settings=settings, job_id=job_id, token=token, spec=spec, paths=paths
+            sessions=sessions, settings=settings, att=att, spec=spec, paths=paths, dispatcher=dispatcher
         )
     except Exception as exc:
         log.exception("job %s: the launcher itself failed", job_id)
-        _finish(
-            sessions,
-            job_id=job_id,
-            token=token,
-            dst=JobStatus.FAILED,
-            error={"type": "LauncherError", "message": f"{type(exc).__name__}: {exc}", "rank": None},
-        )
-        return JobStatus.FAILED
+        error = {"type": "LauncherError", "message": f"{type(exc).__name__}: {exc}", "rank": None}
+        return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
     finally:
+        # The owner has one running job fewer: what the running-jobs limit held back may start now.
         _release_deferred(sessions=sessions, settings=settings, owner_id=owner)
+
+
+def end_abnormally(
+    sessions: sessionmaker[Session],
+    *,
+    settings: Settings,
+    att: Attempt,
+    error: dict[str, Any],
+    dispatcher: Dispatcher | None = None,
+) -> JobStatus:
+    """End a failed attempt: requeue and republish the job while restarts remain, else fail it.
+
+    Both are conditional on the attempt's claim token, so only the attempt's owner (or the
+    reconciler that took its lease away) records it, once.
+    """
+    if is_retryable(error) and att.number <= att.max_restarts:
+        reason = (
+            f"restarting after attempt {att.number} of {att.max_restarts + 1}: "
+            f"{error.get('type')}: {error.get('message')}"
+        )
+        values = {"claim_token": None, "worker": None, "error": error}
+        if _finish(
+            sessions, job_id=att.job_id, token=att.token, dst=JobStatus.QUEUED, reason=reason, values=values
+        ):
+            publish(dispatcher or CeleryDispatcher(settings), job_id=att.job_id, device=att.device)
+        return JobStatus.QUEUED
+    _finish(sessions, job_id=att.job_id, token=att.token, dst=JobStatus.FAILED, error=error)
+    return JobStatus.FAILED
+
+
+def publish(dispatcher: Dispatcher, *, job_id: str, device: str) -> None:
+    """Publish a requeued job; if the broker is down the reconciler republishes it later."""
+    try:
+        dispatcher.send(job_id, device=device)
+    except Exception:  # noqa: BLE001 - the row is queued: republish_stale picks it up
+        log.warning("job %s: publishing the restart failed; the reconciler will", job_id, exc_info=True)
 
 
 def _release_deferred(*, sessions: sessionmaker[Session], settings: Settings, owner_id: int) -> None:
@@ -108,14 +214,25 @@ def _supervise(
     *,
     sessions: sessionmaker[Session],
     settings: Settings,
-    job_id: str,
-    token: str,
+    att: Attempt,
     spec: dict[str, Any],
     paths: RunPaths,
+    dispatcher: Dispatcher | None,
 ) -> JobStatus:
+    job_id, token = att.job_id, att.token
+    # Ranks of an earlier attempt of this job whose worker died (torchrun runs in a session of its
+    # own, so a SIGKILLed worker leaves them running) must not write checkpoints beside ours.
+    if left := sweep_ranks(job_id):
+        log.warning("job %s: killed %d processes of an earlier attempt", job_id, left)
     for sub in ("logs", "events"):
         (paths.run_dir / sub).mkdir(parents=True, exist_ok=True)
     paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    if missing := _missing_checkpoints(sessions, job_id=job_id, directory=paths.checkpoint_dir):
+        # Never restart silently from scratch: that would later prune the evidence (keep_last).
+        error = {"type": "CheckpointMissing", "message": missing, "rank": None}
+        return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
+    if att.number > 1:
+        _sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
     paths.spec_path.write_text(json.dumps(spec, indent=2))
     cmd = torchrun_command(
         job_id=job_id,
@@ -126,7 +243,7 @@ def _supervise(
     )
     # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
     # rank free to use every core.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: supervisor_id()}
     reporter = Reporter(
         sessions=sessions, job_id=job_id, attempt=paths.attempt, claim_token=token, run_dir=paths.run_dir
     )
@@ -137,6 +254,9 @@ def _supervise(
         proc = subprocess.Popen(
             cmd, stdout=launcher_out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    # For operators (and a recovering worker on another machine's tooling): which group to kill.
+    with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
+        paths.pid_file.write_text(f"{proc.pid}\n")
     stopped_for: str | None = None
     try:
         while proc.poll() is None:
@@ -168,27 +288,74 @@ def _supervise(
         time.sleep(min(5.0, settings.report_interval_seconds * 4))
     return _record_outcome(
         sessions,
+        settings=settings,
         reporter=reporter,
-        job_id=job_id,
-        token=token,
+        att=att,
         rc=proc.returncode,
         stopped_for=stopped_for,
         paths=paths,
         max_runtime=max_runtime,
+        dispatcher=dispatcher,
     )
+
+
+def _missing_checkpoints(sessions: sessionmaker[Session], *, job_id: str, directory: Path) -> str | None:
+    """Why this attempt must not start: the job recorded checkpoints but none of their files is left."""
+    with sessions() as session:
+        rows = jobs_repository.checkpoints(session, job_id=job_id)
+    if not rows or any(directory.glob("ckpt-*.pt")):
+        return None
+    return (
+        f"the job recorded {len(rows)} checkpoints (last at step {rows[-1].step}) but {directory} holds none"
+    )
+
+
+def _sync_checkpoints(sessions: sessionmaker[Session], *, att: Attempt, directory: Path) -> None:
+    """Make the job's checkpoint rows match its files before a restart.
+
+    Ranks of a lost worker may have saved (and pruned, keep_last) checkpoints that nobody reported:
+    list what is there, verified by its sidecar, and forget rows whose files are gone.
+    """
+    files: dict[int, Path] = {}
+    for path in directory.glob("ckpt-*.pt"):
+        if path.name[5:14].isdigit():
+            files[int(path.name[5:14])] = path
+    with sessions.begin() as session:
+        rows = {c.step: c.path for c in jobs_repository.checkpoints(session, job_id=att.job_id)}
+        gone = [path for step, path in rows.items() if step not in files]
+        jobs_repository.delete_checkpoints(session, job_id=att.job_id, paths=gone)
+        for step, path in sorted(files.items()):
+            sidecar = path.with_name(path.name + ".sha256")
+            if step in rows or not sidecar.exists():
+                continue
+            words = sidecar.read_text().split()
+            row = {
+                "job_id": att.job_id,
+                "attempt": max(1, att.number - 1),
+                "step": step,
+                "path": str(path),
+                "size_bytes": path.stat().st_size,
+                "sha256": words[0] if words else "",
+                "created_at": utcnow(),
+            }
+            jobs_repository.upsert_checkpoint(session, row=row)
+        if not jobs_repository.fenced_update(session, job_id=att.job_id, claim_token=att.token, values={}):
+            session.rollback()
 
 
 def _record_outcome(
     sessions: sessionmaker[Session],
     *,
+    settings: Settings,
     reporter: Reporter,
-    job_id: str,
-    token: str,
+    att: Attempt,
     rc: int,
     stopped_for: str | None,
     paths: RunPaths,
     max_runtime: int | None,
+    dispatcher: Dispatcher | None,
 ) -> JobStatus:
+    job_id, token = att.job_id, att.token
     if stopped_for == "fenced":
         return JobStatus.RUNNING  # a newer attempt owns the job; record nothing
     if stopped_for == "cancel" or (reporter.state.cancel_requested and rc != 0):
@@ -207,8 +374,7 @@ def _record_outcome(
         "rank": None,
         "traceback": _tail(paths.launcher_log),
     }
-    _finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
-    return JobStatus.FAILED
+    return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
 
 
 def _finish(
@@ -219,14 +385,19 @@ def _finish(
     dst: JobStatus,
     error: dict[str, Any] | None = None,
     reason: str | None = None,
-) -> None:
-    """Record the end state, retrying while the database is unreachable (the outcome must not be lost)."""
-    values: dict[str, Any] = {"error": error} if error else {}
+    values: dict[str, Any] | None = None,
+) -> bool:
+    """Record the end state, retrying while the database is unreachable (the outcome must not be lost).
+
+    False if the attempt no longer owned the job (its lease was taken away): nothing is written.
+    """
+    values = {**({"error": error} if error else {}), **(values or {})}
     delay = 0.5
-    for _ in range(60):
+    give_up = time.monotonic() + FINISH_RETRY_SECONDS
+    while True:
         try:
             with sessions.begin() as session:
-                lifecycle.transition(
+                done = lifecycle.transition(
                     session,
                     job_id=job_id,
                     src=JobStatus.RUNNING,
@@ -235,12 +406,13 @@ def _finish(
                     reason=reason or (error or {}).get("message"),
                     values=values,
                 )
-            return
+            return done is not None
         except Exception:  # noqa: BLE001
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"could not record the end state of job {job_id}") from None
             log.warning("job %s: recording %s failed; retrying", job_id, dst.value, exc_info=True)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
-    raise RuntimeError(f"could not record the end state of job {job_id}")
 
 
 def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:

@@ -395,3 +395,26 @@ def stale_queued(session: Session, *, older_than: datetime, limit: int) -> list[
         .returning(Job.id, Job.spec)
     )
     return [(job_id, str(spec["resources"]["device"])) for job_id, spec in session.execute(stmt)]
+
+
+def purge_history(session: Session, *, finished_before: datetime, limit: int = 100) -> int:
+    """Delete log lines and metric points of up to `limit` jobs finished before the cutoff.
+
+    The job row (with its latest metrics and error), its timeline and its checkpoints stay; returns
+    how many jobs lost history in this call.
+    """
+    has_history = or_(
+        select(LogLine.id).where(LogLine.job_id == Job.id).exists(),
+        select(Metric.id).where(Metric.job_id == Job.id).exists(),
+    )
+    ids = list(
+        session.execute(
+            select(Job.id)
+            .where(Job.finished_at.is_not(None), Job.finished_at < finished_before, has_history)
+            .limit(limit)
+        ).scalars()
+    )
+    if ids:
+        session.execute(delete(LogLine).where(LogLine.job_id.in_(ids)))
+        session.execute(delete(Metric).where(Metric.job_id.in_(ids)))
+    return len(ids)

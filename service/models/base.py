@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Integer, MetaData
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Integer, MetaData, TypeDecorator
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase
 
@@ -23,6 +23,21 @@ JSONType = JSON().with_variant(JSONB(), "postgresql")
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
+class UtcDateTime(TypeDecorator[datetime]):
+    """`DateTime(timezone=True)` that always reads back timezone-aware UTC.
+
+    PostgreSQL returns aware datetimes; SQLite (the embedded service) has no time zones and returns
+    naive ones, which cannot be compared with `utcnow()`. Everything we store is UTC, so say so.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        """Attach UTC to a naive value read back from SQLite."""
+        return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+
+
 def utcnow() -> datetime:
     """Timezone-aware now, in UTC."""
     return datetime.now(UTC)
@@ -32,5 +47,5 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {
         dict[str, Any]: JSONType,
-        datetime: DateTime(timezone=True),
+        datetime: UtcDateTime(),
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
@@ -47,3 +48,28 @@ def running_jobs(session: Session) -> Sequence[tuple[str, str, int]]:
         .order_by(Job.created_at)
     )
     return [(str(w), j, o) for w, j, o in session.execute(stmt)]
+
+
+def leased_jobs(
+    session: Session,
+) -> Sequence[tuple[str, str, str, int, int, dict[str, Any], datetime | None, datetime | None]]:
+    """(job id, worker, claim token, attempt, max_restarts, spec, started_at, worker's last heartbeat or
+    None when its row is gone) of every running job: the attempt leases the reconciler checks."""
+    stmt = (
+        select(
+            Job.id,
+            Job.worker,
+            Job.claim_token,
+            Job.attempt,
+            Job.max_restarts,
+            Job.spec,
+            Job.started_at,
+            Worker.last_heartbeat,
+        )
+        .outerjoin(Worker, Worker.name == Job.worker)
+        .where(Job.status == "running", Job.claim_token.is_not(None))
+    )
+    return [
+        (j, str(w), str(t), int(a), int(m), dict(s), started, beat)
+        for j, w, t, a, m, s, started, beat in session.execute(stmt)
+    ]

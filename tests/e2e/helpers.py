@@ -42,6 +42,7 @@ class Procs:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.dead: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def start(self, name: str, args: list[str], env: Mapping[str, str], cwd: Path | None = None) -> None:
         log = (self.log_dir / f"{name}.log").open("ab")
@@ -51,10 +52,24 @@ class Procs:
         )
         self.procs.append((name, proc))
 
+    def kill(self, name: str) -> int:
+        """SIGKILL a process's whole group, as a crash would; it is no longer checked. Returns its pid.
+
+        torchrun runs in a session of its own, so the ranks of a killed worker survive it, as they
+        would when a worker process dies on a real host.
+        """
+        for i, (n, proc) in enumerate(self.procs):
+            if n == name:
+                os.killpg(proc.pid, 9)
+                proc.wait(timeout=20)
+                self.dead.append(self.procs.pop(i))
+                return proc.pid
+        raise KeyError(name)
+
     def logs(self) -> str:
         return "\n".join(
             f"----- {name} -----\n" + (self.log_dir / f"{name}.log").read_text(errors="replace")[-6000:]
-            for name, _ in self.procs
+            for name, _ in [*self.dead, *self.procs]
         )
 
     def check_alive(self) -> None:
@@ -93,7 +108,7 @@ def wait_for_terminal(
     """Poll a job to a terminal state, asserting every change seen is a legal transition (Ray's job tests)."""
     deadline = time.monotonic() + timeout
     seen: list[str] = []
-    last_step = 0
+    last_step, attempt = 0, 0
     while time.monotonic() < deadline:
         r = http.get(f"/v1/jobs/{job_id}")
         assert r.status_code == 200, r.text
@@ -103,6 +118,9 @@ def wait_for_terminal(
             assert can_transition(JobStatus(seen[-1]), JobStatus(status)), f"illegal {seen[-1]} -> {status}"
         if not seen or status != seen[-1]:
             seen.append(status)
+        if job["attempt"] != attempt:
+            # A restart resumes from its checkpoint, which may be behind the last step reported.
+            last_step, attempt = 0, job["attempt"]
         assert job["progress"]["step"] >= last_step, "progress must never go backwards within an attempt"
         last_step = job["progress"]["step"]
         if JobStatus(status).is_terminal():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -20,12 +20,24 @@ class Stack:
     http: httpx.Client
     procs: Procs
     db_url: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start_worker(self, name: str) -> None:
+        """Start another `dptrain worker` on the same database, broker and queue."""
+        self.procs.start(name, ["worker", "--device", "cpu"], self.env)
 
 
 @contextmanager
-def running_stack(tmp: Path, *, broker_url: str) -> Iterator[Stack]:
-    """Start API and one CPU worker on a fresh database and a queue of this stack's own."""
-    db_url = create_database("dptrain_e2e")
+def running_stack(
+    tmp: Path, *, broker_url: str, db_url: str | None = None, **extra_env: str
+) -> Iterator[Stack]:
+    """Start API and one CPU worker on a fresh database and a queue of this stack's own.
+
+    `db_url`: a migrated database to use (a private server's) instead of a fresh one on the shared
+    server; `extra_env` adds or overrides DPTRAIN_* settings of both processes.
+    """
+    own_db = db_url is None
+    db_url = db_url or create_database("dptrain_e2e")
     env = clean_env(
         DPTRAIN_DATABASE_URL=db_url,
         DPTRAIN_BROKER_URL=broker_url,
@@ -38,6 +50,7 @@ def running_stack(tmp: Path, *, broker_url: str) -> Iterator[Stack]:
         # Short, so the lost-publish test does not wait ten minutes.
         DPTRAIN_REPUBLISH_AFTER_SECONDS="3",
         DPTRAIN_RECONCILE_INTERVAL_SECONDS="1",
+        **extra_env,
     )
     procs = Procs(tmp)
     port = free_port()
@@ -47,8 +60,9 @@ def running_stack(tmp: Path, *, broker_url: str) -> Iterator[Stack]:
     http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
     try:
         wait_healthy(base, procs)
-        yield Stack(http, procs, db_url)
+        yield Stack(http, procs, db_url, env)
     finally:
         http.close()
         procs.stop()
-        drop_database(db_url)
+        if own_db:
+            drop_database(db_url)

@@ -58,3 +58,17 @@ def test_filters_downsampling_and_events_on_sqlite(sqlite_client: TestClient) ->
     with c.stream("GET", f"/v1/jobs/{a['id']}/events") as r:
         kinds = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
     assert kinds == ["job", "metrics", "end"], f"events of a finished job on SQLite, got {kinds}"
+
+
+def test_workers_and_job_times_are_aware_utc_on_sqlite(sqlite_client: TestClient) -> None:
+    from workers.heartbeat import Heartbeat
+
+    sessions = sqlite_client.app.state.session_factory  # type: ignore[attr-defined]
+    Heartbeat(sessions=sessions, name="host-b:7", device="cpu", slots=1, interval=5.0).beat()
+    r = sqlite_client.get("/v1/workers")
+    assert r.status_code == 200, f"expected the worker list on SQLite, got {r.status_code}: {r.text}"
+    (w,) = r.json()["items"]
+    aware = w["last_heartbeat"].endswith(("Z", "+00:00"))
+    assert w["status"] == "alive" and aware, f"expected an alive worker with an aware UTC heartbeat: {w}"
+    job = _submit(sqlite_client)
+    assert job["created_at"].endswith(("Z", "+00:00")), f"expected an aware UTC created_at, got {job}"

@@ -1,16 +1,20 @@
-"""A queued job whose publish was lost is published again, once per period, and nothing else is."""
+"""The reconciler: lost publishes are published again, lost workers' jobs restarted, old history purged."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
+from pathlib import Path
 
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.models import Job
+from service.config import Settings
+from service.models import Job, JobTransition, LogLine, Metric, Worker
 from service.models.base import utcnow
 from tests.api_fixtures import RecordingDispatcher
-from workers.reconciler import republish_stale
+from workers.reconciler import purge_expired, recover_lost, republish_stale
+from workers.reporting import Reporter
 
 SPEC = {"name": "r", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4, "steps": 1}}
 
@@ -31,3 +35,151 @@ def test_only_stale_queued_jobs_are_republished_once_per_period(
         "a job just republished waits a full period before the next try"
     )
     assert fresh not in again.sent and running not in again.sent
+
+
+class TestLostWorkers:
+    """A running job whose worker stopped beating is taken from it, fenced, and restarted or failed."""
+
+    def _running(self, db: Session, job_id: str, *, worker: str, max_restarts: int) -> str:
+        token = uuid.uuid4().hex
+        db.query(Job).filter_by(id=job_id).update(
+            {
+                "status": "running",
+                "attempt": 1,
+                "claim_token": token,
+                "worker": worker,
+                "max_restarts": max_restarts,
+                "started_at": utcnow() - timedelta(minutes=5),
+            }
+        )
+        return token
+
+    def _beat(self, db: Session, name: str, *, age: timedelta) -> None:
+        at = utcnow() - age
+        db.add(
+            Worker(
+                name=name,
+                hostname="h",
+                device="cpu",
+                device_count=1,
+                slots=1,
+                started_at=at,
+                last_heartbeat=at,
+            )
+        )
+
+    def test_lost_leases_are_requeued_or_failed_and_fence_the_old_attempt(
+        self,
+        client: TestClient,
+        sessions: sessionmaker[Session],
+        db: Session,
+        settings: Settings,
+        tmp_path: Path,
+    ) -> None:
+        requeued, failed, healthy, vanished = (
+            client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(4)
+        )
+        self._beat(db, "dead:1", age=timedelta(minutes=2))
+        self._beat(db, "alive:1", age=timedelta(seconds=1))
+        old_token = self._running(db, requeued, worker="dead:1", max_restarts=1)
+        self._running(db, failed, worker="dead:1", max_restarts=0)
+        self._running(db, healthy, worker="alive:1", max_restarts=1)
+        self._running(db, vanished, worker="gone:1", max_restarts=1)  # its row was removed
+        db.commit()
+
+        again = RecordingDispatcher()
+        lost = recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60)
+        assert sorted(lost) == sorted([requeued, failed, vanished]), lost
+        assert sorted(again.sent) == sorted([requeued, vanished]), "requeued jobs are published again"
+        db.expire_all()
+        states = {j: db.get(Job, j).status for j in (requeued, failed, healthy, vanished)}  # type: ignore[union-attr]
+        assert states == {requeued: "queued", failed: "failed", healthy: "running", vanished: "queued"}, (
+            states
+        )
+        failed_job = db.get(Job, failed)
+        assert failed_job is not None and failed_job.error is not None
+        assert failed_job.error["type"] == "WorkerLost" and "no heartbeat" in failed_job.error["message"]
+        reasons = [t.reason for t in db.query(JobTransition).filter_by(job_id=requeued, to_status="queued")]
+        assert any("worker dead:1 lost" in (r or "") for r in reasons), reasons
+
+        # The lost worker comes back: its token no longer owns the job, so it writes nothing.
+        stale = Reporter(
+            sessions=sessions, job_id=requeued, attempt=1, claim_token=old_token, run_dir=tmp_path
+        )
+        assert stale.flush() and stale.state.fenced_out
+        assert recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60) == []
+
+    def test_a_job_this_worker_claimed_but_no_longer_runs_is_lost(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
+    ) -> None:
+        """The end state could not be recorded (a database outage longer than the runner retries)."""
+        orphan, running = (client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(2))
+        self._beat(db, "me:1", age=timedelta(seconds=0))
+        self._running(db, orphan, worker="me:1", max_restarts=1)
+        self._running(db, running, worker="me:1", max_restarts=1)
+        db.commit()
+        lost = recover_lost(
+            sessions=sessions,
+            settings=settings,
+            dispatcher=RecordingDispatcher(),
+            lease_seconds=60,
+            me="me:1",
+            running_here={running},
+        )
+        assert lost == [orphan], f"only the job this worker no longer runs is lost, got {lost}"
+
+
+def test_history_past_the_retention_is_deleted_and_the_job_row_kept(
+    client: TestClient, sessions: sessionmaker[Session], db: Session
+) -> None:
+    old, recent, running = (client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(3))
+    db.query(Job).filter_by(id=old).update(
+        {"status": "succeeded", "finished_at": utcnow() - timedelta(days=10)}
+    )
+    db.query(Job).filter_by(id=recent).update(
+        {"status": "succeeded", "finished_at": utcnow() - timedelta(days=1)}
+    )
+    db.query(Job).filter_by(id=running).update({"status": "running"})
+    for job_id in (old, recent, running):
+        db.add(Metric(job_id=job_id, attempt=1, name="loss", step=1, value=1.0))
+        db.add(LogLine(job_id=job_id, attempt=1, rank=0, line="hello"))
+    db.commit()
+
+    assert purge_expired(sessions=sessions, retention_days=0) == 0, "0 keeps everything"
+    assert purge_expired(sessions=sessions, retention_days=7) == 1
+    kept = {
+        j: (db.query(Metric).filter_by(job_id=j).count(), db.query(LogLine).filter_by(job_id=j).count())
+        for j in (old, recent, running)
+    }
+    assert kept == {old: (0, 0), recent: (1, 1), running: (1, 1)}, kept
+    assert db.get(Job, old) is not None and db.query(JobTransition).filter_by(job_id=old).count() >= 1
+    assert purge_expired(sessions=sessions, retention_days=7) == 0
+
+
+def test_lost_leases_are_found_on_sqlite_too(tmp_path: Path) -> None:
+    """The embedded service's SQLite hands back naive datetimes; the lease check must still work."""
+    from api_schemas import JobSpec
+    from migrations import upgrade
+    from service.auth.tokens import ensure_bootstrap_admin
+    from service.db import session_factory
+    from service.jobs import service
+    from tests.api_fixtures import ADMIN_TOKEN
+
+    url = f"sqlite:///{tmp_path / 'dptrain.db'}"
+    upgrade(url)
+    settings = Settings(database_url=url, home=tmp_path)
+    sessions = session_factory(settings)
+    ago = utcnow() - timedelta(minutes=5)
+    with sessions.begin() as s:
+        admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        job_id = service.submit(s, user=admin, spec=JobSpec.model_validate(SPEC)).id
+        s.add(Worker(name="w:1", hostname="h", device="cpu", device_count=1, slots=1, last_heartbeat=ago))
+    with sessions.begin() as s:
+        s.query(Job).filter_by(id=job_id).update(
+            {"status": "running", "attempt": 1, "claim_token": "t" * 32, "worker": "w:1", "started_at": ago}
+        )
+    again = RecordingDispatcher()
+    assert recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60) == [job_id]
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None and job.status == "failed", "max_restarts 0: a lost worker fails the job"

@@ -120,10 +120,23 @@ def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: 
     with sessions.begin() as s:
         admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
         service.cancel(s, user=admin, job_id=job_id)
+    asked = time.monotonic()
+    while rank_processes(job_id) and time.monotonic() - asked < 10:
+        time.sleep(0.1)
+    assert rank_processes(job_id) == [], "every rank process must be gone within 10 s of the cancel"
     thread.join(timeout=60)
     assert out == [JobStatus.CANCELLED]
     assert _job(sessions, job_id).status == "cancelled"
-    assert rank_processes(job_id) == []
+
+
+def test_a_cancelled_queued_job_never_starts(settings: Settings, sessions: sessionmaker) -> None:
+    job_id = _submit(sessions)
+    with sessions.begin() as s:
+        admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        service.cancel(s, user=admin, job_id=job_id)
+    assert run_attempt(job_id=job_id, settings=settings) is None, "its message, delivered late, runs nothing"
+    job = _job(sessions, job_id)
+    assert job.status == "cancelled" and job.attempt == 0 and job.started_at is None
 
 
 def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessionmaker) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from workers.engine.events import EventWriter, events_path
+from workers.engine.launch import SUPERVISOR_ENV, watch_supervisor
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -101,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # First thing: everything this rank prints (Python, C++, NCCL) lands in its own log file.
     restore = redirect_output(args.run_dir / "logs" / f"rank{rank}.log")
     events = EventWriter(events_path(args.run_dir, rank), rank)
+    # Die with the worker that launched us (see launch.SUPERVISOR_ENV).
+    watch_supervisor(os.environ.get(SUPERVISOR_ENV))
     try:
         run(args, events)
     except BaseException as exc:

@@ -1,0 +1,177 @@
+"""Faults during a run, on real processes: a private PostgreSQL and Redis that the tests stop and start.
+
+One stack for the module (API + worker), with short heartbeats, leases and reconcile intervals, and
+every step slowed by the `sleep` fault so that a fault lands mid-run.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobSpec
+from service.auth.tokens import ensure_bootstrap_admin
+from service.config import Settings
+from service.db import session_factory
+from service.dispatch import RUN_JOB_TASK, CeleryDispatcher, queue_for
+from service.jobs import service
+from tests.api_fixtures import ADMIN_TOKEN
+from tests.e2e.helpers import wait_for_terminal
+from tests.e2e.services import PrivatePostgres, PrivateRedis
+from tests.e2e.stack import Stack, running_stack
+from workers.runner import rank_processes
+
+STEPS = 30
+
+
+def _spec(name: str, **over: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "recipe": "mlp",
+        "hyperparameters": {"global_batch_size": 8, "steps": STEPS, "lr": 0.1, "hidden_size": 8},
+        "resources": {"processes_per_node": 2, "device": "cpu"},
+        "engine": {"log_every_steps": 1},
+        "checkpoint": {"every_steps": 5, "keep_last": 3},
+        "max_restarts": 1,
+        **over,
+    }
+
+
+class Faulty:
+    """The stack plus handles on its private servers."""
+
+    def __init__(self, stack: Stack, pg: PrivatePostgres, redis: PrivateRedis) -> None:
+        self.stack, self.pg, self.redis = stack, pg, redis
+        self.http, self.procs = stack.http, stack.procs
+        self.sessions: sessionmaker[Session] = session_factory(Settings(database_url=stack.db_url))
+
+    def submit(self, name: str, **over: Any) -> str:
+        r = self.http.post("/v1/jobs", json=_spec(name, **over))
+        assert r.status_code == 201, f"expected 201, got {r.status_code}: {r.text}"
+        return str(r.json()["id"])
+
+    def wait_step(self, job_id: str, step: int, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.http.get(f"/v1/jobs/{job_id}").json()
+            if job["progress"]["step"] >= step and job["status"] == "running":
+                return
+            self.procs.check_alive()
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} did not reach step {step}:\n{self.procs.logs()}")
+
+    def timeline(self, job_id: str) -> list[dict[str, Any]]:
+        return list(self.http.get(f"/v1/jobs/{job_id}/timeline").json()["items"])
+
+    def assert_complete_metrics(self, job_id: str) -> None:
+        series = self.http.get(f"/v1/jobs/{job_id}/metrics", params={"name": "loss"}).json()["series"]
+        steps = [s for s, _ in series["loss"]]
+        assert steps == list(range(1, STEPS + 1)), f"expected a loss point for every step, got {steps}"
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faulty]:
+    tmp = tmp_path_factory.mktemp("faults")
+    pg = PrivatePostgres()
+    redis = PrivateRedis(tmp)
+    try:
+        pg.start()
+        redis.start()
+        db_url = pg.create_database("dptrain_faults")
+        with running_stack(
+            tmp,
+            broker_url=redis.url,
+            db_url=db_url,
+            DPTRAIN_WORKER_HEARTBEAT_SECONDS="0.5",
+            DPTRAIN_WORKER_LEASE_SECONDS="5",
+            DPTRAIN_FAULT_INJECT="sleep:ms=100",
+        ) as stack:
+            yield Faulty(stack, pg, redis)
+    finally:
+        redis.stop()
+        pg.destroy()
+
+
+def test_the_same_celery_message_delivered_twice_runs_once(faulty: Faulty) -> None:
+    spec = JobSpec.model_validate(_spec("duplicate", hyperparameters={"global_batch_size": 8, "steps": 3}))
+    with faulty.sessions.begin() as session:
+        admin = ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
+        job_id = service.submit(session, user=admin, spec=spec).id  # committed, not yet published
+    settings = Settings(
+        database_url=faulty.stack.db_url, broker_url=faulty.redis.url, queue=faulty.stack.env["DPTRAIN_QUEUE"]
+    )
+    app = CeleryDispatcher(settings).app
+    task_id = str(uuid.uuid4())
+    for _ in range(2):
+        app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue_for(settings.queue, "cpu"), task_id=task_id)
+    job = wait_for_terminal(faulty.http, job_id, procs=faulty.procs)
+    assert job["status"] == "succeeded" and job["attempt"] == 1, job
+    deadline = time.monotonic() + 30
+    while "is not queued; nothing to run" not in faulty.procs.logs() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert "is not queued; nothing to run" in faulty.procs.logs(), "the second delivery must be refused"
+    assert [t["to_status"] for t in faulty.timeline(job_id)] == ["queued", "running", "succeeded"]
+
+
+def test_a_submit_while_redis_is_down_is_accepted_and_runs_once_it_is_back(faulty: Faulty) -> None:
+    faulty.redis.stop()
+    try:
+        started = time.monotonic()
+        job_id = faulty.submit("broker-down", hyperparameters={"global_batch_size": 8, "steps": 3})
+        assert time.monotonic() - started < 25, "the submit must not hang on the broker"
+        assert faulty.http.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+    finally:
+        faulty.redis.start()
+    job = wait_for_terminal(faulty.http, job_id, procs=faulty.procs, timeout=120)
+    assert job["status"] == "succeeded" and job["attempt"] == 1, job
+    assert [t["to_status"] for t in faulty.timeline(job_id)] == ["queued", "running", "succeeded"]
+
+
+def test_postgres_restarted_mid_run_the_job_succeeds_with_all_its_metrics(faulty: Faulty) -> None:
+    job_id = faulty.submit("pg-restart")
+    faulty.wait_step(job_id, 5)
+    faulty.pg.stop()
+    time.sleep(2)  # steps go on meanwhile; their reports wait
+    faulty.pg.start()
+    job = wait_for_terminal(faulty.http, job_id, procs=faulty.procs)
+    assert job["status"] == "succeeded" and job["attempt"] == 1, (job, faulty.procs.logs())
+    assert job["progress"]["step"] == STEPS
+    faulty.assert_complete_metrics(job_id)
+
+
+def test_redis_restarted_mid_run_the_job_succeeds_once(faulty: Faulty) -> None:
+    job_id = faulty.submit("redis-restart")
+    faulty.wait_step(job_id, 5)
+    faulty.redis.stop()  # no persistence: the job's unacked message is gone with it
+    time.sleep(2)
+    faulty.redis.start()
+    job = wait_for_terminal(faulty.http, job_id, procs=faulty.procs)
+    assert job["status"] == "succeeded" and job["attempt"] == 1, (job, faulty.procs.logs())
+    assert [t["to_status"] for t in faulty.timeline(job_id)] == ["queued", "running", "succeeded"]
+    faulty.assert_complete_metrics(job_id)
+
+
+def test_a_sigkilled_worker_s_job_is_taken_up_by_a_restarted_worker(faulty: Faulty) -> None:
+    job_id = faulty.submit("worker-killed", hyperparameters={"global_batch_size": 8, "steps": 60})
+    faulty.wait_step(job_id, 8)
+    faulty.procs.kill("worker")
+    # torchrun has a session of its own, so the kill does not reach the ranks: they notice that
+    # their supervisor is gone and exit, rather than train on beside the next attempt.
+    deadline = time.monotonic() + 10
+    while rank_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rank_processes(job_id) == [], "the ranks of a killed worker must stop on their own"
+    faulty.stack.start_worker("worker-2")
+    job = wait_for_terminal(faulty.http, job_id, procs=faulty.procs, timeout=150)
+    assert job["status"] == "succeeded" and job["attempt"] == 2, (job, faulty.procs.logs())
+    assert job["progress"]["step"] == 60
+    reasons = [t["reason"] or "" for t in faulty.timeline(job_id) if t["to_status"] == "queued"]
+    assert any("lost" in r for r in reasons), f"expected a restart for a lost worker, got {reasons}"
+    assert rank_processes(job_id) == [], "no process of either attempt may be left"
+    ckpts = faulty.http.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]
+    assert [c["step"] for c in ckpts] == [50, 55, 60], f"the last 3 checkpoints (keep_last), got {ckpts}"

@@ -1,0 +1,185 @@
+"""Restarts on real ranks and real PostgreSQL: a killed rank resumes bitwise, the budget ends in `failed`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobSpec, JobStatus
+from service.auth.tokens import ensure_bootstrap_admin
+from service.config import Settings
+from service.db import session_factory
+from service.jobs import service
+from service.models import Checkpoint, Job, JobTransition
+from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher
+from tests.conftest import create_database, drop_database
+from tests.engine.test_resume import _assert_equal
+from workers.runner import rank_processes, run_attempt
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    url = create_database("dptrain_restarts")
+    tmp = tmp_path_factory.mktemp("restarts")
+    yield Settings(database_url=url, artifact_root=tmp / "artifacts", home=tmp, report_interval_seconds=0.2)
+    drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def sessions(settings: Settings) -> sessionmaker[Session]:
+    return session_factory(settings)
+
+
+def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
+    spec = {
+        "name": "restarts",
+        "recipe": "mlp",
+        "hyperparameters": {"global_batch_size": 8, "steps": STEPS, "hidden_size": 8, "momentum": 0.9},
+        "resources": {"processes_per_node": 2},
+        "engine": {"log_every_steps": 1},
+        "checkpoint": {"every_steps": 4, "keep_last": 10},
+        **over,
+    }
+    with sessions.begin() as s:
+        user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        return service.submit(s, user=user, spec=JobSpec.model_validate(spec)).id
+
+
+def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        return job
+
+
+def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[tuple[str, str | None]]:
+    with sessions() as s:
+        rows = s.query(JobTransition).filter_by(job_id=job_id).order_by(JobTransition.id).all()
+        return [(r.to_status, r.reason) for r in rows]
+
+
+def _rank_pid(job_id: str, rank: int) -> int:
+    for p in rank_processes(job_id):
+        try:
+            cmd = p.cmdline()
+            is_rank = "workers.engine.main" in cmd and "torch.distributed.run" not in cmd
+            if is_rank and p.environ().get("RANK") == str(rank):
+                return int(p.pid)
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no rank {rank} process of job {job_id} found")
+
+
+def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:
+    path = settings.artifacts / "jobs" / job_id / "checkpoints" / f"ckpt-{STEPS:09d}.pt"
+    return dict(torch.load(path, weights_only=True))
+
+
+def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
+    settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Slow steps (the math is unchanged), so the kill lands mid-run, after a checkpoint.
+    monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "sleep:ms=120")
+    reference = _submit(sessions, name="uninterrupted")
+    assert run_attempt(job_id=reference, settings=settings) is JobStatus.SUCCEEDED
+
+    job_id = _submit(sessions, max_restarts=1)
+    dispatcher = RecordingDispatcher()
+    out: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: out.append(run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher))
+    )
+    thread.start()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        with sessions() as s:
+            saved = [c.step for c in s.query(Checkpoint).filter_by(job_id=job_id)]
+        if saved and _job(sessions, job_id).step >= 10:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the job never got past its first checkpoint")
+    os.kill(_rank_pid(job_id, 1), signal.SIGKILL)
+    thread.join(timeout=60)
+    assert out == [JobStatus.QUEUED], f"expected the attempt to end requeued, got {out}"
+    assert dispatcher.sent == [job_id], "the restart is published again"
+    assert rank_processes(job_id) == [], "no rank of the killed attempt may survive"
+    pid_file = settings.artifacts / "jobs" / job_id / "attempt-1" / "torchrun.pid"
+    assert pid_file.read_text().strip().isdigit(), "each attempt names its process group for operators"
+    job = _job(sessions, job_id)
+    assert job.status == "queued" and job.claim_token is None and job.error is not None
+
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
+    job = _job(sessions, job_id)
+    assert job.attempt == 2 and job.step == STEPS and job.error is None
+    states = [s for s, _ in _timeline(sessions, job_id)]
+    assert states == ["queued", "running", "queued", "running", "succeeded"], states
+    restart_reason = _timeline(sessions, job_id)[2][1] or ""
+    assert "restarting after attempt 1 of 2" in restart_reason, restart_reason
+    started = (settings.artifacts / "jobs" / job_id / "attempt-2" / "events" / "rank0.jsonl").read_text()
+    assert '"start_iter": 0' not in started, f"attempt 2 must resume from a checkpoint:\n{started}"
+
+    want, got = _final_state(settings, reference), _final_state(settings, job_id)
+    for key in ("model", "optimizer", "iter", "world_size"):
+        _assert_equal(want[key], got[key], key)
+
+
+def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
+    settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "raise:rank=1:step=2")
+    job_id = _submit(sessions, max_restarts=1, hyperparameters={"global_batch_size": 8, "steps": 4})
+    dispatcher = RecordingDispatcher()
+    assert run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher) is JobStatus.QUEUED
+    assert run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher) is JobStatus.FAILED
+    assert dispatcher.sent == [job_id], "only the first failure is restarted"
+    job = _job(sessions, job_id)
+    assert job.status == "failed" and job.attempt == 2
+    assert job.error is not None and "injected fault at step 2" in job.error["message"], job.error
+    assert [s for s, _ in _timeline(sessions, job_id)] == ["queued", "running", "queued", "running", "failed"]
+
+
+def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessionmaker[Session]) -> None:
+    job_id = _submit(
+        # An absurd learning rate overflows the loss within a few steps (as in tests/engine).
+        sessions,
+        max_restarts=3,
+        hyperparameters={"global_batch_size": 32, "steps": 50, "lr": 100.0, "momentum": 0.9},
+    )
+    assert run_attempt(job_id=job_id, settings=settings, dispatcher=RecordingDispatcher()) is JobStatus.FAILED
+    job = _job(sessions, job_id)
+    assert job.attempt == 1, "a resume would replay the same NaN bitwise: no restart"
+    assert job.error is not None and job.error["type"] == "FloatingPointError", job.error
+
+
+def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    job_id = _submit(sessions, max_restarts=2)
+    with sessions.begin() as s:
+        s.add(
+            Checkpoint(
+                job_id=job_id,
+                attempt=1,
+                step=8,
+                path="/gone/ckpt-000000008.pt",
+                size_bytes=1,
+                sha256="0" * 64,
+            )
+        )
+        s.query(Job).filter_by(id=job_id).update({"attempt": 1})
+    assert run_attempt(job_id=job_id, settings=settings, dispatcher=RecordingDispatcher()) is JobStatus.FAILED
+    job = _job(sessions, job_id)
+    assert job.error is not None and job.error["type"] == "CheckpointMissing", job.error
+    assert not (settings.artifacts / "jobs" / job_id / "attempt-2" / "events" / "rank0.jsonl").exists()
