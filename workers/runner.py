@@ -176,7 +176,12 @@ def end_abnormally(
             f"restarting after attempt {att.number} of {att.max_restarts + 1}: "
             f"{error.get('type')}: {error.get('message')}"
         )
-        values = {"claim_token": None, "worker": None, "error": error}
+        values = {
+            "claim_token": None,
+            "worker": None,
+            "error": error,
+            "step": lifecycle.resume_step(att.job_id),
+        }
         if _finish(
             sessions, job_id=att.job_id, token=att.token, dst=JobStatus.QUEUED, reason=reason, values=values
         ):

@@ -6,12 +6,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, insert, update
+from sqlalchemy import ColumnElement, ScalarSelect, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus
 from service.jobs import quota
-from service.models import Job, JobTransition
+from service.models import Checkpoint, Job, JobTransition
 from service.models.base import utcnow
 
 # Which states a job may move to from each state. A running job returns to `queued` only to be
@@ -112,3 +112,13 @@ def claim(
     if job is None and max_running_per_user is not None:
         quota.defer(session, job_id=job_id)  # a no-op unless the job is still queued
     return job
+
+
+def resume_step(job_id: str) -> ScalarSelect[int]:
+    """SQL for the step a restarted job resumes from: its newest checkpoint's, 0 without one.
+
+    A requeued job shows this as its progress: the steps after its last checkpoint are lost and will
+    be trained again, so the progress the dead attempt reported would overstate it.
+    """
+    newest = func.coalesce(func.max(Checkpoint.step), 0)
+    return select(newest).where(Checkpoint.job_id == job_id).scalar_subquery()

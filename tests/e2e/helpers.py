@@ -114,12 +114,14 @@ def wait_for_terminal(
         assert r.status_code == 200, r.text
         job = r.json()
         status = job["status"]
-        if seen and status != seen[-1]:
+        changed = not seen or status != seen[-1]
+        if seen and changed:
             assert can_transition(JobStatus(seen[-1]), JobStatus(status)), f"illegal {seen[-1]} -> {status}"
-        if not seen or status != seen[-1]:
+        if changed:
             seen.append(status)
-        if job["attempt"] != attempt:
-            # A restart resumes from its checkpoint, which may be behind the last step reported.
+        if changed or job["attempt"] != attempt:
+            # A restart resumes from its checkpoint, which may be behind the last step reported: the
+            # requeue (a status change) and the new attempt each start the count again.
             last_step, attempt = 0, job["attempt"]
         assert job["progress"]["step"] >= last_step, "progress must never go backwards within an attempt"
         last_step = job["progress"]["step"]

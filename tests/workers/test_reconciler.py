@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.models import Job, JobTransition, LogLine, Metric, Worker
+from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, Worker
 from service.models.base import utcnow
 from tests.api_fixtures import RecordingDispatcher
 from workers.reconciler import purge_expired, recover_lost, republish_stale
@@ -85,6 +85,13 @@ class TestLostWorkers:
         self._running(db, failed, worker="dead:1", max_restarts=0)
         self._running(db, healthy, worker="alive:1", max_restarts=1)
         self._running(db, vanished, worker="gone:1", max_restarts=1)  # its row was removed
+        # The dead attempts had reported step 37; only `requeued` had checkpoints (at 20 and 30).
+        db.query(Job).filter(Job.id.in_([requeued, vanished])).update({"step": 37})
+        for step in (20, 30):
+            row = Checkpoint(
+                job_id=requeued, attempt=1, step=step, path=f"/x/{step}", size_bytes=1, sha256="0"
+            )
+            db.add(row)
         db.commit()
 
         again = RecordingDispatcher()
@@ -95,6 +102,11 @@ class TestLostWorkers:
         states = {j: db.get(Job, j).status for j in (requeued, failed, healthy, vanished)}  # type: ignore[union-attr]
         assert states == {requeued: "queued", failed: "failed", healthy: "running", vanished: "queued"}, (
             states
+        )
+        # A requeued job shows the step it resumes from: the steps after its last checkpoint are lost.
+        progress = {j: db.get(Job, j).step for j in (requeued, vanished)}  # type: ignore[union-attr]
+        assert progress == {requeued: 30, vanished: 0}, (
+            f"expected progress at the newest checkpoint, got {progress}"
         )
         failed_job = db.get(Job, failed)
         assert failed_job is not None and failed_job.error is not None
