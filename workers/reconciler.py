@@ -24,7 +24,9 @@ from service.dispatch import Dispatcher
 from service.jobs import quota, repository
 from service.models.base import utcnow
 from service.workers import repository as workers_repository
-from workers.runner import ACTIVE, Attempt, end_abnormally, sweep_ranks
+from workers.attempts import Attempt, end_abnormally
+from workers.procs import sweep_ranks
+from workers.runner import ACTIVE
 
 log = logging.getLogger(__name__)
 

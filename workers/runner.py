@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -14,69 +13,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
 from service.config import Settings
 from service.db import session_factory
-from service.dispatch import CeleryDispatcher, Dispatcher
+from service.dispatch import Dispatcher
 from service.jobs import lifecycle
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
+from workers.attempts import Attempt, end_abnormally, finish, release_deferred
 from workers.engine.launch import SUPERVISOR_ENV, supervisor_id, torchrun_command
+from workers.procs import kill_group, stop_group, sweep_ranks
 from workers.reporting import Reporter
 
 log = logging.getLogger(__name__)
 
 TRACEBACK_TAIL_LINES = 40
 FINAL_FLUSH_SECONDS = 300
-# How long the end state of an attempt is retried through a database outage. Past it the job stays
-# `running` under this worker's name; this worker's reconciler, seeing it not in ACTIVE, ends it.
-FINISH_RETRY_SECONDS = 3600
-
 # Jobs this worker process is running an attempt of right now (the Celery pool's threads add and
 # remove them; the reconciler of the same process reads it).
 ACTIVE: set[str] = set()
-
-# Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and
-# a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
-# else -- a signal, a lost peer (Gloo/NCCL errors are RuntimeErrors), an OOM, a timeout, the
-# launcher itself -- is retried while the job has restarts left. See docs/reliability.md.
-NOT_RETRIED = frozenset(
-    {
-        "FloatingPointError",
-        "ValueError",
-        "TypeError",
-        "KeyError",
-        "IndexError",
-        "AttributeError",
-        "NameError",
-        "ImportError",
-        "ModuleNotFoundError",
-        "SyntaxError",
-        "AssertionError",
-        "NotImplementedError",
-        "PermissionError",
-        "CheckpointMissing",
-    }
-)
-
-
-def is_retryable(error: dict[str, Any]) -> bool:
-    """Whether an attempt that ended with `error` may be restarted (if the job has restarts left)."""
-    return str(error.get("type")) not in NOT_RETRIED
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """The claimed attempt: its number, fencing token and restart budget."""
-
-    job_id: str
-    number: int
-    token: str
-    max_restarts: int
-    device: str
 
 
 @dataclass(frozen=True)
@@ -155,64 +112,7 @@ def _run_attempt(*, job_id: str, settings: Settings, dispatcher: Dispatcher | No
         return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
     finally:
         # The owner has one running job fewer: what the running-jobs limit held back may start now.
-        _release_deferred(sessions=sessions, settings=settings, owner_id=owner)
-
-
-def end_abnormally(
-    sessions: sessionmaker[Session],
-    *,
-    settings: Settings,
-    att: Attempt,
-    error: dict[str, Any],
-    dispatcher: Dispatcher | None = None,
-) -> JobStatus:
-    """End a failed attempt: requeue and republish the job while restarts remain, else fail it.
-
-    Both are conditional on the attempt's claim token, so only the attempt's owner (or the
-    reconciler that took its lease away) records it, once.
-    """
-    if is_retryable(error) and att.number <= att.max_restarts:
-        reason = (
-            f"restarting after attempt {att.number} of {att.max_restarts + 1}: "
-            f"{error.get('type')}: {error.get('message')}"
-        )
-        values = {
-            "claim_token": None,
-            "worker": None,
-            "error": error,
-            "step": lifecycle.resume_step(att.job_id),
-        }
-        if _finish(
-            sessions, job_id=att.job_id, token=att.token, dst=JobStatus.QUEUED, reason=reason, values=values
-        ):
-            publish(dispatcher or CeleryDispatcher(settings), job_id=att.job_id, device=att.device)
-        return JobStatus.QUEUED
-    _finish(sessions, job_id=att.job_id, token=att.token, dst=JobStatus.FAILED, error=error)
-    return JobStatus.FAILED
-
-
-def publish(dispatcher: Dispatcher, *, job_id: str, device: str) -> None:
-    """Publish a requeued job; if the broker is down the reconciler republishes it later."""
-    try:
-        dispatcher.send(job_id, device=device)
-    except Exception:  # noqa: BLE001 - the row is queued: republish_stale picks it up
-        log.warning("job %s: publishing the restart failed; the reconciler will", job_id, exc_info=True)
-
-
-def _release_deferred(*, sessions: sessionmaker[Session], settings: Settings, owner_id: int) -> None:
-    """This owner has one running job fewer: publish what the running-jobs limit held back."""
-    from service.dispatch import CeleryDispatcher
-    from workers.reconciler import republish_deferred
-
-    try:
-        republish_deferred(
-            sessions=sessions,
-            dispatcher=CeleryDispatcher(settings),
-            max_running=settings.max_running_jobs_per_user,
-            owner_id=owner_id,
-        )
-    except Exception:  # noqa: BLE001 - the reconciler's next round does it instead
-        log.warning("publishing deferred jobs of owner %s failed", owner_id, exc_info=True)
+        release_deferred(sessions=sessions, settings=settings, owner_id=owner)
 
 
 def _supervise(
@@ -277,9 +177,9 @@ def _supervise(
                     stopped_for = "deadline"
                 if stopped_for is not None:
                     log.info("job %s: stopping its ranks (%s)", job_id, stopped_for)
-                    _stop_group(proc, grace=settings.cancel_grace_seconds)
+                    stop_group(proc, grace=settings.cancel_grace_seconds)
     finally:
-        _kill_group(proc)
+        kill_group(proc)
         if left := sweep_ranks(job_id):
             log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
     reporter.collect(final=True)
@@ -364,14 +264,14 @@ def _record_outcome(
     if stopped_for == "fenced":
         return JobStatus.RUNNING  # a newer attempt owns the job; record nothing
     if stopped_for == "cancel" or (reporter.state.cancel_requested and rc != 0):
-        _finish(sessions, job_id=job_id, token=token, dst=JobStatus.CANCELLED, reason="cancel requested")
+        finish(sessions, job_id=job_id, token=token, dst=JobStatus.CANCELLED, reason="cancel requested")
         return JobStatus.CANCELLED
     if stopped_for == "deadline":
         error = {"type": "DeadlineExceeded", "message": f"deadline exceeded ({max_runtime} s)", "rank": None}
-        _finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
+        finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
         return JobStatus.FAILED
     if rc == 0 and reporter.state.finished:
-        _finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
+        finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
         return JobStatus.SUCCEEDED
     error = reporter.root_error() or {
         "type": "ProcessExited",
@@ -382,92 +282,8 @@ def _record_outcome(
     return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
 
 
-def _finish(
-    sessions: sessionmaker[Session],
-    *,
-    job_id: str,
-    token: str,
-    dst: JobStatus,
-    error: dict[str, Any] | None = None,
-    reason: str | None = None,
-    values: dict[str, Any] | None = None,
-) -> bool:
-    """Record the end state, retrying while the database is unreachable (the outcome must not be lost).
-
-    False if the attempt no longer owned the job (its lease was taken away): nothing is written.
-    """
-    values = {**({"error": error} if error else {}), **(values or {})}
-    delay = 0.5
-    give_up = time.monotonic() + FINISH_RETRY_SECONDS
-    while True:
-        try:
-            with sessions.begin() as session:
-                done = lifecycle.transition(
-                    session,
-                    job_id=job_id,
-                    src=JobStatus.RUNNING,
-                    dst=dst,
-                    claim_token=token,
-                    reason=reason or (error or {}).get("message"),
-                    values=values,
-                )
-            return done is not None
-        except Exception:  # noqa: BLE001
-            if time.monotonic() > give_up:
-                raise RuntimeError(f"could not record the end state of job {job_id}") from None
-            log.warning("job %s: recording %s failed; retrying", job_id, dst.value, exc_info=True)
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
-
-
 def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return None
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
-def _stop_group(proc: subprocess.Popen[bytes], *, grace: float) -> None:
-    """SIGTERM the launcher's whole process group, then SIGKILL what is left after `grace` seconds."""
-    _signal_group(proc, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace)
-    _kill_group(proc)
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL torchrun's process group and reap torchrun."""
-    _signal_group(proc, signal.SIGKILL)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        log.error("torchrun (pid %s) did not exit after SIGKILL", proc.pid)
-
-
-def rank_processes(job_id: str) -> list[psutil.Process]:
-    """Processes serving `job_id`, found by the `--job-id` on their command line."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if any(a == "--job-id" and b == job_id for a, b in zip(cmd, cmd[1:], strict=False)):
-            found.append(p)
-    return found
-
-
-def sweep_ranks(job_id: str) -> int:
-    """SIGKILL any rank of `job_id` still alive and wait for it; returns how many there were.
-
-    torchrun starts each rank in a session of its own, so killing torchrun's group does not
-    reach a rank whose torchrun died first; the job id on every rank's command line does.
-    """
-    procs = rank_processes(job_id)
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(procs, timeout=10)
-    return len(procs)

@@ -24,7 +24,7 @@ from tests.api_fixtures import ADMIN_TOKEN
 from tests.e2e.helpers import wait_for_terminal
 from tests.e2e.services import PrivatePostgres, PrivateRedis
 from tests.e2e.stack import Stack, running_stack
-from workers.runner import rank_processes
+from workers.procs import rank_processes
 
 STEPS = 30
 

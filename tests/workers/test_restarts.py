@@ -23,7 +23,8 @@ from service.models import Checkpoint, Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher
 from tests.conftest import create_database, drop_database
 from tests.engine.test_resume import _assert_equal
-from workers.runner import rank_processes, run_attempt
+from workers.procs import rank_processes
+from workers.runner import run_attempt
 
 STEPS = 24
 

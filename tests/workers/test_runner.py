@@ -19,7 +19,8 @@ from service.jobs import service
 from service.models import Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import create_database, drop_database
-from workers.runner import rank_processes, run_attempt
+from workers.procs import rank_processes
+from workers.runner import run_attempt
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,155 @@
+"""How an attempt ends: the end state recorded through outages, restarts within the job's budget."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobStatus
+from service.config import Settings
+from service.dispatch import CeleryDispatcher, Dispatcher
+from service.jobs import lifecycle
+
+log = logging.getLogger(__name__)
+
+# How long the end state of an attempt is retried through a database outage. Past it the job stays
+# `running` under this worker's name; this worker's reconciler, seeing it not in runner.ACTIVE, ends it.
+FINISH_RETRY_SECONDS = 3600
+
+# Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and
+# a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
+# else -- a signal, a lost peer (Gloo/NCCL errors are RuntimeErrors), an OOM, a timeout, the
+# launcher itself -- is retried while the job has restarts left. See docs/reliability.md.
+NOT_RETRIED = frozenset(
+    {
+        "FloatingPointError",
+        "ValueError",
+        "TypeError",
+        "KeyError",
+        "IndexError",
+        "AttributeError",
+        "NameError",
+        "ImportError",
+        "ModuleNotFoundError",
+        "SyntaxError",
+        "AssertionError",
+        "NotImplementedError",
+        "PermissionError",
+        "CheckpointMissing",
+    }
+)
+
+
+def is_retryable(error: dict[str, Any]) -> bool:
+    """Whether an attempt that ended with `error` may be restarted (if the job has restarts left)."""
+    return str(error.get("type")) not in NOT_RETRIED
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The claimed attempt: its number, fencing token and restart budget."""
+
+    job_id: str
+    number: int
+    token: str
+    max_restarts: int
+    device: str
+
+
+def end_abnormally(
+    sessions: sessionmaker[Session],
+    *,
+    settings: Settings,
+    att: Attempt,
+    error: dict[str, Any],
+    dispatcher: Dispatcher | None = None,
+) -> JobStatus:
+    """End a failed attempt: requeue and republish the job while restarts remain, else fail it.
+
+    Both are conditional on the attempt's claim token, so only the attempt's owner (or the
+    reconciler that took its lease away) records it, once.
+    """
+    if is_retryable(error) and att.number <= att.max_restarts:
+        reason = (
+            f"restarting after attempt {att.number} of {att.max_restarts + 1}: "
+            f"{error.get('type')}: {error.get('message')}"
+        )
+        values = {
+            "claim_token": None,
+            "worker": None,
+            "error": error,
+            "step": lifecycle.resume_step(att.job_id),
+        }
+        if finish(
+            sessions, job_id=att.job_id, token=att.token, dst=JobStatus.QUEUED, reason=reason, values=values
+        ):
+            publish(dispatcher or CeleryDispatcher(settings), job_id=att.job_id, device=att.device)
+        return JobStatus.QUEUED
+    finish(sessions, job_id=att.job_id, token=att.token, dst=JobStatus.FAILED, error=error)
+    return JobStatus.FAILED
+
+
+def publish(dispatcher: Dispatcher, *, job_id: str, device: str) -> None:
+    """Publish a requeued job; if the broker is down the reconciler republishes it later."""
+    try:
+        dispatcher.send(job_id, device=device)
+    except Exception:  # noqa: BLE001 - the row is queued: republish_stale picks it up
+        log.warning("job %s: publishing the restart failed; the reconciler will", job_id, exc_info=True)
+
+
+def release_deferred(*, sessions: sessionmaker[Session], settings: Settings, owner_id: int) -> None:
+    """This owner has one running job fewer: publish what the running-jobs limit held back."""
+    from service.dispatch import CeleryDispatcher
+    from workers.reconciler import republish_deferred
+
+    try:
+        republish_deferred(
+            sessions=sessions,
+            dispatcher=CeleryDispatcher(settings),
+            max_running=settings.max_running_jobs_per_user,
+            owner_id=owner_id,
+        )
+    except Exception:  # noqa: BLE001 - the reconciler's next round does it instead
+        log.warning("publishing deferred jobs of owner %s failed", owner_id, exc_info=True)
+
+
+def finish(
+    sessions: sessionmaker[Session],
+    *,
+    job_id: str,
+    token: str,
+    dst: JobStatus,
+    error: dict[str, Any] | None = None,
+    reason: str | None = None,
+    values: dict[str, Any] | None = None,
+) -> bool:
+    """Record the end state, retrying while the database is unreachable (the outcome must not be lost).
+
+    False if the attempt no longer owned the job (its lease was taken away): nothing is written.
+    """
+    values = {**({"error": error} if error else {}), **(values or {})}
+    delay = 0.5
+    give_up = time.monotonic() + FINISH_RETRY_SECONDS
+    while True:
+        try:
+            with sessions.begin() as session:
+                done = lifecycle.transition(
+                    session,
+                    job_id=job_id,
+                    src=JobStatus.RUNNING,
+                    dst=dst,
+                    claim_token=token,
+                    reason=reason or (error or {}).get("message"),
+                    values=values,
+                )
+            return done is not None
+        except Exception:  # noqa: BLE001
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"could not record the end state of job {job_id}") from None
+            log.warning("job %s: recording %s failed; retrying", job_id, dst.value, exc_info=True)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)

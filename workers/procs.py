@@ -1,0 +1,59 @@
+"""The processes of a job on this host: torchrun's group, and ranks found by their command line."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_group(proc: subprocess.Popen[bytes], *, grace: float) -> None:
+    """SIGTERM the launcher's whole process group, then SIGKILL what is left after `grace` seconds."""
+    signal_group(proc, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL torchrun's process group and reap torchrun."""
+    signal_group(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        log.error("torchrun (pid %s) did not exit after SIGKILL", proc.pid)
+
+
+def rank_processes(job_id: str) -> list[psutil.Process]:
+    """Processes serving `job_id`, found by the `--job-id` on their command line."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if any(a == "--job-id" and b == job_id for a, b in zip(cmd, cmd[1:], strict=False)):
+            found.append(p)
+    return found
+
+
+def sweep_ranks(job_id: str) -> int:
+    """SIGKILL any rank of `job_id` still alive and wait for it; returns how many there were.
+
+    torchrun starts each rank in a session of its own, so killing torchrun's group does not
+    reach a rank whose torchrun died first; the job id on every rank's command line does.
+    """
+    procs = rank_processes(job_id)
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+    return len(procs)
