@@ -51,3 +51,8 @@ def insert_for(session: Session, entity: Any) -> Any:
     if session.get_bind().dialect.name == "postgresql":
         return pg_insert(entity)
     return sqlite_insert(entity)
+
+
+def is_postgresql(session: Session) -> bool:
+    """Whether `session` talks to PostgreSQL (some queries have a faster form there)."""
+    return session.get_bind().dialect.name == "postgresql"

@@ -18,7 +18,7 @@ import anyio
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus
-from service.jobs import repository, service
+from service.jobs import metrics_repository, repository, service
 
 KEEPALIVE_SECONDS = 15.0
 # At most this many new points per poll; the rest (and the job event after them) come next poll.
@@ -51,8 +51,8 @@ def poll(session: Session, state: StreamState) -> list[Event]:
     if first:
         events.append(("job", service.present(session, jobs=[job])[0].model_dump(mode="json")))
         state.updated_at = job.updated_at
-        top = repository.max_metric_id(session, job_id=state.job_id)
-        series = repository.metric_series(
+        top = metrics_repository.max_metric_id(session, job_id=state.job_id)
+        series = metrics_repository.metric_series(
             session,
             job_id=state.job_id,
             since_step=state.since_step,
@@ -63,7 +63,7 @@ def poll(session: Session, state: StreamState) -> list[Event]:
         state.metric_id = top
         drained = True
     else:
-        rows = repository.metrics_after(
+        rows = metrics_repository.metrics_after(
             session, job_id=state.job_id, after_id=state.metric_id or 0, limit=MAX_POINTS_PER_POLL
         )
         series = {}

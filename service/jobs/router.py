@@ -34,7 +34,7 @@ from service.errors import (
     error_responses,
 )
 from service.etag import conditional_json
-from service.jobs import events, repository, service
+from service.jobs import events, metrics_repository, repository, service
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized, TooManyRequests))
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
@@ -175,7 +175,7 @@ def get_metrics(
 ) -> MetricSeries:
     """Metric series of a job, `[step, value]` per name, optionally only after `since_step`."""
     service.get_visible(session, user=user, job_id=job_id)
-    series = repository.metric_series(
+    series = metrics_repository.metric_series(
         session,
         job_id=job_id,
         since_step=since_step,

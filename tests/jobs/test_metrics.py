@@ -8,7 +8,7 @@ import random
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from service.jobs.repository import downsample
+from service.jobs.metrics_repository import downsample
 from service.models import Metric
 from tests.jobs.test_router import _submit
 
