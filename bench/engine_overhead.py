@@ -69,7 +69,7 @@ class NoCheckpoints(CheckpointManager):
         return None
 
 
-def _spec(case: Case) -> dict[str, Any]:
+def _spec(case: Case, device: str = "cpu", precision: str = "fp32") -> dict[str, Any]:
     return {
         "recipe": case.recipe,
         "hyperparameters": {
@@ -81,38 +81,52 @@ def _spec(case: Case) -> dict[str, Any]:
             "seed": SEED,
             **case.extras,
         },
-        "resources": {"device": "cpu"},
+        "resources": {"device": device},
+        "engine": {"precision": precision},
     }
 
 
-def engine_side(case: Case, run_dir: Path) -> tuple[Callable[[], None], Trainer]:
+def engine_side(
+    case: Case,
+    run_dir: Path,
+    device: torch.device | None = None,
+    precision: str = "fp32",
+    backend: str | None = None,
+) -> tuple[Callable[[], None], Trainer]:
     """A Trainer as `workers.engine.main.run` builds it; the callable trains `case.steps` steps."""
-    cfg = JobConfig.from_spec(_spec(case))
+    device = device or torch.device("cpu")
+    cfg = JobConfig.from_spec(_spec(case, device.type, precision))
     torch.manual_seed(SEED)
     plan = RECIPES[case.recipe](cfg.recipe_params, SEED)
     events = EventWriter(run_dir / "events" / "rank0.jsonl", 0)
     ckpt = NoCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, True, cfg.checkpoint.every_steps)
-    trainer = Trainer(cfg, plan, D.DistEnv(), torch.device("cpu"), events, ckpt, backend=None)
+    trainer = Trainer(cfg, plan, D.DistEnv(), device, events, ckpt, backend=backend)
 
     def run() -> None:
         trainer.iter = 0  # train() runs from ITER to cfg.training.steps: the same steps every round
         trainer.train()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return run, trainer
 
 
-def plain_side(case: Case) -> Callable[[], None]:
+def plain_side(case: Case, device: torch.device | None = None, precision: str = "fp32") -> Callable[[], None]:
     """A hand-written loop: index a shuffled epoch, forward, loss, backward, SGD step."""
+    device = device or torch.device("cpu")
     torch.manual_seed(SEED)
     plan = RECIPES[case.recipe](case.extras, SEED)
-    model: nn.Module = plan.model
+    model: nn.Module = plan.model.to(device)
     data = plan.dataset
+    # The data stays in host memory and each batch is copied over, as from a DataLoader (the engine does
+    # the same in `TensorDataset.batch`).
     inputs, targets = data.inputs, data.targets  # type: ignore[attr-defined]
     n = inputs.shape[0]
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     loss_fn = nn.functional.cross_entropy
     b = case.batch
     gen = torch.Generator().manual_seed(mix_seed(SEED, 1))
+    bf16 = precision == "bf16"
 
     def run() -> None:
         perm = torch.randperm(n, generator=gen)
@@ -122,10 +136,14 @@ def plain_side(case: Case) -> Callable[[], None]:
                 perm, pos = torch.randperm(n, generator=gen), 0
             idx = perm[pos : pos + b]
             pos += b
-            loss = loss_fn(model(inputs[idx]), targets[idx])
+            x, y = inputs[idx].to(device), targets[idx].to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     return run
 

@@ -185,7 +185,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
             mid = client.get("/v1/jobs?limit=200").json()
             cursor = mid["next_cursor"]
             deep = _median_ms(client, f"/v1/jobs?cursor={cursor}", repeats)
-    common = {"benchmark": "5. Metrics", "smoke": smoke}
+    common: dict[str, Any] = {"benchmark": "5. Metrics", "smoke": smoke}
     job_list = max(first, deep, key=lambda m: m["median"])
     return {
         "metrics_ingest_per_s": result(
