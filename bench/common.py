@@ -202,7 +202,8 @@ def render_markdown(results: Mapping[str, Result], *, intro: str = "") -> str:
     lines = ["# Benchmarks", ""]
     if intro:
         lines += [intro, ""]
-    for bench, items in by_bench.items():
+    # Titles start with the number ("1. Engine overhead ..."): that is the order.
+    for bench, items in sorted(by_bench.items(), key=lambda kv: (not kv[0][:1].isdigit(), kv[0])):
         lines += [f"## {bench}", ""]
         lines += [
             "| key | compared | median | min | max | unit | bar | met |",
