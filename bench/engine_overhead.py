@@ -4,10 +4,10 @@
 
 Both sides train the same recipe model (same seed, so the same initial weights), on the same
 in-memory data, with the same SGD (lr, momentum, weight decay) for the same steps, in this process,
-with torch's default threads. The engine side is the real job code path: `Trainer.train()` with the
-job's default engine options (metrics event written to a real events file every step, the loss
-checked for finiteness every step) and an events writer; only checkpoint writing is left out (a
-checkpoint manager that never saves), since benchmark 6 measures that and a plain loop has none.
+with one intra-op thread (as the worker runs each rank). The engine side is the real job code
+path: `Trainer.train()` with the job's default engine options (a metrics event written to a real
+events file every step, the loss checked for finiteness every step); only checkpoint writing is
+left out (a checkpoint manager that never saves), since benchmark 6 measures that and a plain loop has none.
 Rounds alternate (ABBA) and each ratio is engine seconds / plain seconds of one round.
 """
 
@@ -167,7 +167,15 @@ def run(smoke: bool = False, rounds: int | None = None) -> dict[str, Result]:
     """Measure every case; the headline figure is the worst case's median ratio."""
     cases = SMOKE if smoke else FULL
     rounds = rounds or (2 if smoke else 15)
-    per_case = {c.name: measure(c, rounds) for c in cases}
+    # One intra-op thread on both sides, as the worker runs ranks (OMP_NUM_THREADS=1): what is compared
+    # is the loop around the kernels, and two OpenMP threads on two shared cores turn any neighbour's
+    # activity into several-x noise.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        per_case = {c.name: measure(c, rounds) for c in cases}
+    finally:
+        torch.set_num_threads(threads)
     worst = max(per_case.values(), key=lambda m: m["median"])
     notes = [
         f"{name}: median {m['median']:.3f} (min {m['min']:.3f}, max {m['max']:.3f}) over {rounds} rounds; "
@@ -186,7 +194,7 @@ def run(smoke: bool = False, rounds: int | None = None) -> dict[str, Result]:
             bar=BAR,
             higher_is_better=False,
             smoke=smoke,
-            threads=torch.get_num_threads(),
+            threads=1,
             cases={
                 name: {k: v for k, v in m.items() if k not in ("a_s", "b_s")} for name, m in per_case.items()
             },

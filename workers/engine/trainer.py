@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -239,18 +240,29 @@ class Trainer:
         # gradient is again the local-batch mean gradient: same math, less activation memory.
         n = self.accum
         ddp = self.train_model if isinstance(self.train_model, DistributedDataParallel) else None
-        loss_sum = torch.zeros((), device=self.device)
         local = self.local_sgd is not None and self.local_sgd.is_local(it)
-        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
-            # Only the last micro-step allreduces; earlier ones just accumulate into the local grads.
-            # A LocalSGD local step allreduces no gradient at all.
-            sync = ddp.no_sync() if ddp is not None and (i < n - 1 or local) else contextlib.nullcontext()
-            with sync:
-                with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
-                    loss = self.loss_fn(self.train_model(x), y)
-                # DDP allreduces buckets in reverse order, overlapped with the last backward.
-                (loss / n if n > 1 else loss).backward()
-            loss_sum += loss.detach().float()
+        if n == 1:
+            # The default: one micro-step, so no chunking and no running sum (bench.engine_overhead
+            # showed their few tensor ops per step in a small model's step time). Same math.
+            with ddp.no_sync() if ddp is not None and local else contextlib.nullcontext():
+                with self._autocast():
+                    loss = self.loss_fn(self.train_model(inputs), targets)
+                loss.backward()
+            local_loss = loss.detach().float()
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+                # Only the last micro-step allreduces; earlier ones just accumulate into the local grads.
+                # A LocalSGD local step allreduces no gradient at all.
+                sync = ddp.no_sync() if ddp is not None and (i < n - 1 or local) else contextlib.nullcontext()
+                with sync:
+                    with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
+                        loss = self.loss_fn(self.train_model(x), y)
+                    # DDP allreduces buckets in reverse order, overlapped with the last backward.
+                    (loss / n).backward()
+                loss_sum += loss.detach().float()
+            # Equal micro-batches: the mean of their means is the local-batch mean loss.
+            local_loss = loss_sum / n
         if self.sparse_sync is not None and not local:
             self.sparse_sync.sync()  # after the last micro-step, like DDP's own allreduce
         if self.clip_norm is not None:
@@ -259,8 +271,7 @@ class Trainer:
             shard_ids = {id(p) for p in self.sharded_params}
             replicated = [p for p in self.model.parameters() if id(p) not in shard_ids]
             self.grad_norm = clip_grad_norm_(replicated, self.clip_norm, sharded=self.sharded_params)
-        local_loss = loss_sum / n
-        if not bool(torch.isfinite(local_loss)):
+        if not math.isfinite(float(local_loss)):
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.
             raise FloatingPointError(f"non-finite loss at step {it + 1} on rank {self.env.rank}")
         self.optimizer.step()
@@ -270,7 +281,6 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._average_buffers()
-        # Equal micro-batches: the mean of their means is the local-batch mean loss.
         return local_loss
 
     def train(self) -> None:
