@@ -87,6 +87,8 @@ class Trainer:
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
         self.local_sgd: LocalSGD | None = None  # built by wrap() for engine.mode "local_sgd" at world > 1
         self.sparse_sync: SparseGradSync | None = None  # set by wrap() at world > 1 for sparse-grad params
+        # The logged loss's allreduce, started in _step and collected by train() (see _start_loss_mean).
+        self._loss_mean: tuple[torch.Tensor, Any] | None = None
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -274,6 +276,7 @@ class Trainer:
         if not math.isfinite(float(local_loss)):
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.
             raise FloatingPointError(f"non-finite loss at step {it + 1} on rank {self.env.rank}")
+        self._start_loss_mean(it + 1, local_loss)
         self.optimizer.step()
         if self.local_sgd is not None:
             self.local_sgd.after_step(it)  # before zero_grad: torch's averager skips grad-less params
@@ -282,6 +285,29 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._average_buffers()
         return local_loss
+
+    def _start_loss_mean(self, step: int, local_loss: torch.Tensor) -> None:
+        """On a logging step at world > 1, start the loss allreduce now and let train() collect it.
+
+        Issued before the optimizer step, it runs while the optimizer works instead of stalling every
+        rank on a collective of its own after the step (bench.engine_world2). Every rank issues it at
+        the same point of the same steps, and process groups run collectives in issue order, so it
+        never crosses DDP's bucket allreduces or the buffer averaging. Same sum, same division.
+        """
+        e, total = self.cfg.engine, self.cfg.training.steps
+        if D.active(self.env) and (step % e.log_every_steps == 0 or step == total):
+            t = local_loss.detach().clone()
+            self._loss_mean = (t, dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+
+    def _global_loss(self, loss: torch.Tensor) -> float:
+        """The mean over ranks of this step's loss (collecting the allreduce _step started, if any)."""
+        pending, self._loss_mean = self._loss_mean, None
+        if pending is None:
+            return float(D.mean_across_ranks(self.env, loss).item())
+        t, work = pending
+        work.wait()
+        t /= self.env.world_size
+        return float(t.item())
 
     def train(self) -> None:
         """Resume, sync ranks (FinalizeAfterCheckpoint), then step to `steps`, logging and checkpointing."""
@@ -311,7 +337,7 @@ class Trainer:
             last = self.iter == total
             if self.iter % log_every == 0 or last:
                 # The only extra collective, and only on logging steps, to keep the hot path lean.
-                global_loss = float(D.mean_across_ranks(self.env, loss).item())
+                global_loss = self._global_loss(loss)
                 elapsed = time.perf_counter() - window_start
                 if main:
                     values = {
