@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test lint typecheck clean
+.PHONY: setup run test lint typecheck clean bench bench-smoke
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,13 +18,22 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/dptrain up --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
 
-test: setup lint
+test: setup lint bench-smoke
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Every benchmark for real (minutes; needs PostgreSQL and Redis like the tests): writes
+# bench/results.json and BENCHMARKS.md. See docs/benchmarks.md.
+bench: setup
+	$(PY) -m bench
+
+# Each benchmark at tiny sizes, to a temporary directory: the scripts run, no timing is judged.
+bench-smoke: setup
+	$(PY) -m bench --smoke
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy api_schemas service workers dptrain_cli
+	$(VENV)/bin/mypy api_schemas service workers dptrain_cli bench
 
 clean:
 	rm -rf $(VENV) .dptrain .pytest_cache .mypy_cache .ruff_cache

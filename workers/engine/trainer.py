@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -86,6 +87,8 @@ class Trainer:
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
         self.local_sgd: LocalSGD | None = None  # built by wrap() for engine.mode "local_sgd" at world > 1
         self.sparse_sync: SparseGradSync | None = None  # set by wrap() at world > 1 for sparse-grad params
+        # The logged loss's allreduce, started in _step and collected by train() (see _start_loss_mean).
+        self._loss_mean: tuple[torch.Tensor, Any] | None = None
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -239,18 +242,29 @@ class Trainer:
         # gradient is again the local-batch mean gradient: same math, less activation memory.
         n = self.accum
         ddp = self.train_model if isinstance(self.train_model, DistributedDataParallel) else None
-        loss_sum = torch.zeros((), device=self.device)
         local = self.local_sgd is not None and self.local_sgd.is_local(it)
-        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
-            # Only the last micro-step allreduces; earlier ones just accumulate into the local grads.
-            # A LocalSGD local step allreduces no gradient at all.
-            sync = ddp.no_sync() if ddp is not None and (i < n - 1 or local) else contextlib.nullcontext()
-            with sync:
-                with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
-                    loss = self.loss_fn(self.train_model(x), y)
-                # DDP allreduces buckets in reverse order, overlapped with the last backward.
-                (loss / n if n > 1 else loss).backward()
-            loss_sum += loss.detach().float()
+        if n == 1:
+            # The default: one micro-step, so no chunking and no running sum (bench.engine_overhead
+            # showed their few tensor ops per step in a small model's step time). Same math.
+            with ddp.no_sync() if ddp is not None and local else contextlib.nullcontext():
+                with self._autocast():
+                    loss = self.loss_fn(self.train_model(inputs), targets)
+                loss.backward()
+            local_loss = loss.detach().float()
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+                # Only the last micro-step allreduces; earlier ones just accumulate into the local grads.
+                # A LocalSGD local step allreduces no gradient at all.
+                sync = ddp.no_sync() if ddp is not None and (i < n - 1 or local) else contextlib.nullcontext()
+                with sync:
+                    with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
+                        loss = self.loss_fn(self.train_model(x), y)
+                    # DDP allreduces buckets in reverse order, overlapped with the last backward.
+                    (loss / n).backward()
+                loss_sum += loss.detach().float()
+            # Equal micro-batches: the mean of their means is the local-batch mean loss.
+            local_loss = loss_sum / n
         if self.sparse_sync is not None and not local:
             self.sparse_sync.sync()  # after the last micro-step, like DDP's own allreduce
         if self.clip_norm is not None:
@@ -259,10 +273,10 @@ class Trainer:
             shard_ids = {id(p) for p in self.sharded_params}
             replicated = [p for p in self.model.parameters() if id(p) not in shard_ids]
             self.grad_norm = clip_grad_norm_(replicated, self.clip_norm, sharded=self.sharded_params)
-        local_loss = loss_sum / n
-        if not bool(torch.isfinite(local_loss)):
+        if not math.isfinite(float(local_loss)):
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.
             raise FloatingPointError(f"non-finite loss at step {it + 1} on rank {self.env.rank}")
+        self._start_loss_mean(it + 1, local_loss)
         self.optimizer.step()
         if self.local_sgd is not None:
             self.local_sgd.after_step(it)  # before zero_grad: torch's averager skips grad-less params
@@ -270,8 +284,30 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._average_buffers()
-        # Equal micro-batches: the mean of their means is the local-batch mean loss.
         return local_loss
+
+    def _start_loss_mean(self, step: int, local_loss: torch.Tensor) -> None:
+        """On a logging step at world > 1, start the loss allreduce now and let train() collect it.
+
+        Issued before the optimizer step, it runs while the optimizer works instead of stalling every
+        rank on a collective of its own after the step (bench.engine_world2). Every rank issues it at
+        the same point of the same steps, and process groups run collectives in issue order, so it
+        never crosses DDP's bucket allreduces or the buffer averaging. Same sum, same division.
+        """
+        e, total = self.cfg.engine, self.cfg.training.steps
+        if D.active(self.env) and (step % e.log_every_steps == 0 or step == total):
+            t = local_loss.detach().clone()
+            self._loss_mean = (t, dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
+
+    def _global_loss(self, loss: torch.Tensor) -> float:
+        """The mean over ranks of this step's loss (collecting the allreduce _step started, if any)."""
+        pending, self._loss_mean = self._loss_mean, None
+        if pending is None:
+            return float(D.mean_across_ranks(self.env, loss).item())
+        t, work = pending
+        work.wait()
+        t /= self.env.world_size
+        return float(t.item())
 
     def train(self) -> None:
         """Resume, sync ranks (FinalizeAfterCheckpoint), then step to `steps`, logging and checkpointing."""
@@ -301,7 +337,7 @@ class Trainer:
             last = self.iter == total
             if self.iter % log_every == 0 or last:
                 # The only extra collective, and only on logging steps, to keep the hot path lean.
-                global_loss = float(D.mean_across_ranks(self.env, loss).item())
+                global_loss = self._global_loss(loss)
                 elapsed = time.perf_counter() - window_start
                 if main:
                     values = {

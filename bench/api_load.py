@@ -1,0 +1,171 @@
+"""API throughput and latency at 50 concurrent clients, on PostgreSQL + Redis, load from another process.
+
+    python -m bench.api_load [--smoke] [--json OUT] [--api-workers N]
+
+`dptrain api` (uvicorn, `--api-workers` processes, default 2 on this 2-core target; rate limit off,
+everything else the production defaults) on a fresh PostgreSQL database with Redis as the broker,
+no worker (submitted jobs stay queued; the queue is deleted afterwards). The load comes from
+`bench.loadgen`, a separate process holding 50 keep-alive connections in a closed loop (each sends
+its next request when the answer arrives), and shares the 2 cores with the API and PostgreSQL.
+
+Three runs, each after a short warm-up of the same kind:
+- submits: `POST /v1/jobs` with a small `mlp` spec (each creates a job and publishes it to Redis);
+- polls: `GET /v1/jobs/{id}` answered 200 with the body;
+- conditional polls: the same with `If-None-Match: <its ETag>`, answered 304.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import BENCH_TOKEN, ROOT, Result, bench_env, finish, result
+from bench.stack import running_stack
+
+SUBMITS_BAR, POLLS_BAR, P99_BAR_MS = 300.0, 2000.0, 50.0
+CONCURRENCY = 50
+SPEC = {
+    "name": "bench-load",
+    "recipe": "mlp",
+    "hyperparameters": {"global_batch_size": 64, "steps": 100, "lr": 0.05},
+    "resources": {"processes_per_node": 1, "device": "cpu"},
+}
+
+
+def loadgen(
+    url: str,
+    *,
+    method: str = "GET",
+    headers: Sequence[str] = (),
+    body: Path | None = None,
+    duration: float,
+    max_requests: int,
+) -> dict[str, Any]:
+    """Run `bench.loadgen` as its own process and return its figures."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.loadgen",
+        f"--url={url}",
+        f"--method={method}",
+        f"--concurrency={CONCURRENCY}",
+        f"--duration={duration}",
+        f"--max-requests={max_requests}",
+        f"--header=Authorization: Bearer {BENCH_TOKEN}",
+        *(f"--header={h}" for h in headers),
+        *([f"--body-file={body}"] if body else []),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=duration + 120
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"loadgen failed: {proc.stderr[-3000:]}")
+    return dict(json.loads(proc.stdout))
+
+
+def run(smoke: bool = False, api_workers: int | None = None) -> dict[str, Result]:
+    """Submits, polls, conditional polls."""
+    duration, warmup = (1.0, 0.3) if smoke else (10.0, 2.0)
+    api_workers = api_workers or (1 if smoke else 2)
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="dptrain-bench-api-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps(SPEC))
+        with running_stack(Path(tmp), worker=False, api_workers=api_workers) as stack, stack.client() as http:
+            r = http.post("/v1/jobs", json=SPEC)
+            assert r.status_code == 201, r.text
+            job_url = f"{stack.base_url}/v1/jobs/{r.json()['id']}"
+            etag = http.get(job_url).headers["etag"]
+            kinds: dict[str, dict[str, Any]] = {
+                "submits": {"url": f"{stack.base_url}/v1/jobs", "method": "POST", "body": spec},
+                "polls": {"url": job_url},
+                "polls_304": {"url": job_url, "headers": [f"If-None-Match: {etag}"]},
+            }
+            for name, kw in kinds.items():
+                loadgen(**kw, duration=warmup, max_requests=1_000_000)
+                runs[name] = loadgen(**kw, duration=duration, max_requests=1_000_000)
+                expected = {"submits": "201", "polls": "200", "polls_304": "304"}[name]
+                assert set(runs[name]["statuses"]) == {expected}, (
+                    f"{name}: expected only {expected}, got {runs[name]['statuses']}"
+                )
+    common: dict[str, Any] = {
+        "benchmark": "4. API under load",
+        "smoke": smoke,
+        "api_workers": api_workers,
+        "concurrency": CONCURRENCY,
+    }
+    s, p, q = runs["submits"], runs["polls"], runs["polls_304"]
+    notes = [
+        f"{name}: {x['per_s']:.0f}/s, p50 {x['p50_ms']:.1f} ms, p99 {x['p99_ms']:.1f} ms, "
+        f"max {x['max_ms']:.1f} ms "
+        f"({x['requests']} requests in {x['seconds']:.1f} s)"
+        for name, x in runs.items()
+    ]
+    notes.append(
+        f"`dptrain api --workers {api_workers}`, {CONCURRENCY} keep-alive connections from `bench.loadgen` "
+        "(a separate Python process on the same 2 cores)"
+    )
+    return {
+        "api_submits_per_s": result(
+            **common,
+            compared="`POST /v1/jobs` answered 201 per second",
+            unit="requests/s",
+            value=s["per_s"],
+            bar=SUBMITS_BAR,
+            higher_is_better=True,
+            p50_ms=s["p50_ms"],
+            p99_ms=s["p99_ms"],
+        ),
+        "api_polls_per_s": result(
+            **common,
+            compared="`GET /v1/jobs/{id}` answered 200 per second",
+            unit="requests/s",
+            value=p["per_s"],
+            bar=POLLS_BAR,
+            higher_is_better=True,
+            p50_ms=p["p50_ms"],
+            p99_ms=p["p99_ms"],
+        ),
+        "api_poll_p99_ms": result(
+            **common,
+            compared="p99 latency of `GET /v1/jobs/{id}` (200)",
+            unit="ms",
+            value=p["p99_ms"],
+            bar=P99_BAR_MS,
+            higher_is_better=False,
+            p50_ms=p["p50_ms"],
+        ),
+        "api_poll_304_per_s": result(
+            **common,
+            compared="`GET /v1/jobs/{id}` with `If-None-Match`, answered 304, per second",
+            unit="requests/s",
+            value=q["per_s"],
+            bar=p["per_s"],
+            higher_is_better=True,
+            p50_ms=q["p50_ms"],
+            p99_ms=q["p99_ms"],
+            notes=notes,
+        ),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Result]:
+    """CLI entry point."""
+    ap = argparse.ArgumentParser(prog="python -m bench.api_load", description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="one second per run; figures mean nothing")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--api-workers", type=int, default=None, help="uvicorn processes (default 2, smoke 1)")
+    args = ap.parse_args(argv)
+    results = run(args.smoke, args.api_workers)
+    finish(results, args.json)
+    return results
+
+
+if __name__ == "__main__":
+    main()

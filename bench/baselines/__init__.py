@@ -1,0 +1,1 @@
+"""Hand-written baselines the benchmarks compare dptrain against (plain torch, nothing of ours)."""

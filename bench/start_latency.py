@@ -1,0 +1,131 @@
+"""Job start latency: submit to the first training step reported, against a bare torchrun hello-world.
+
+    python -m bench.start_latency [--smoke] [--json OUT]
+
+dptrain side: `dptrain api` + one `dptrain worker` on PostgreSQL + Redis (loopback, production
+defaults, including the worker's 0.5 s report interval, except the per-token rate limit, off
+because the client polls faster than 20/s), already up and idle. A client POSTs a
+2-process `mlp` job and polls `GET /v1/jobs/{id}/metrics` every 10 ms; the latency is from just
+before the POST to the first answer holding a point (step 1's metrics: the engine logs every
+step). That covers the API, the commit, the Redis publish, the Celery delivery, the claim,
+torchrun, two ranks importing torch and building the recipe, rendezvous, the first step, the
+events file, the reporter's tick and the read. The job is then awaited to its end before the next.
+
+Baseline: the wall time of `python -m torch.distributed.run --standalone --nproc-per-node 2
+bench/baselines/hello.py` (init Gloo, one allreduce, print, exit). Runs alternate (ABBA); the
+ratio is dptrain seconds / torchrun seconds per round.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from bench.common import ROOT, Result, bench_env, finish, interleaved, parse, result
+from bench.stack import running_stack
+
+BAR = 1.3
+HELLO = ROOT / "bench" / "baselines" / "hello.py"
+TERMINAL = {"succeeded", "failed", "cancelled"}
+SPEC = {
+    "name": "bench-start",
+    "recipe": "mlp",
+    "hyperparameters": {"global_batch_size": 64, "steps": 3, "lr": 0.05},
+    "resources": {"processes_per_node": 2, "device": "cpu"},
+}
+
+
+def job_start(http: httpx.Client, timeout: float = 120) -> float:
+    """Submit, return seconds to the first metric point; then wait for the job to end."""
+    start = time.perf_counter()
+    r = http.post("/v1/jobs", json=SPEC)
+    assert r.status_code == 201, f"submit: expected 201, got {r.status_code} {r.text[:300]}"
+    job_id = r.json()["id"]
+    deadline = start + timeout
+    latency = None
+    while time.perf_counter() < deadline:
+        m = http.get(f"/v1/jobs/{job_id}/metrics")
+        if m.status_code == 200 and any(m.json()["series"].values()):
+            latency = time.perf_counter() - start
+            break
+        time.sleep(0.01)
+    if latency is None:
+        raise RuntimeError(
+            f"job {job_id} reported no step within {timeout} s: {http.get(f'/v1/jobs/{job_id}').text}"
+        )
+    while time.perf_counter() < deadline:
+        r = http.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 200, f"GET job: expected 200, got {r.status_code} {r.text[:300]}"
+        job = r.json()
+        if job["status"] in TERMINAL:
+            if job["status"] != "succeeded":
+                raise RuntimeError(f"job {job_id} ended {job['status']}: {job.get('error')}")
+            return latency
+        time.sleep(0.05)
+    raise RuntimeError(f"job {job_id} did not finish within {timeout} s")
+
+
+def torchrun_hello() -> float:
+    """Wall seconds of a bare two-process torchrun hello-world."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HELLO)],
+        cwd=ROOT,
+        env=bench_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun hello failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return elapsed
+
+
+def run(smoke: bool = False) -> dict[str, Result]:
+    """Interleaved job starts and torchrun hello-worlds."""
+    rounds = 1 if smoke else 7
+    with (
+        tempfile.TemporaryDirectory(prefix="dptrain-bench-start-") as tmp,
+        running_stack(Path(tmp), worker=True) as stack,
+        stack.client() as http,
+    ):
+        m = interleaved(lambda: job_start(http), torchrun_hello, rounds, warmup=0 if smoke else 1)
+    return {
+        "start_latency_vs_torchrun": result(
+            benchmark="3. Job start",
+            compared="submit to first step's metrics visible in the API (2-rank mlp job) "
+            "/ wall time of a bare 2-process torchrun hello-world",
+            unit="x (time ratio)",
+            ratio=m["median"],
+            low=m["min"],
+            high=m["max"],
+            bar=BAR,
+            higher_is_better=False,
+            smoke=smoke,
+            dptrain_s=m["a_s"],
+            torchrun_s=m["b_s"],
+            notes=[
+                f"dptrain median {sorted(m['a_s'])[len(m['a_s']) // 2]:.2f} s, torchrun hello median "
+                f"{sorted(m['b_s'])[len(m['b_s']) // 2]:.2f} s ({rounds} rounds)"
+            ],
+        )
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Result]:
+    """CLI entry point."""
+    args = parse("bench.start_latency", __doc__, argv)
+    results = run(args.smoke)
+    finish(results, args.json)
+    return results
+
+
+if __name__ == "__main__":
+    main()
