@@ -55,8 +55,15 @@ class Hyperparameters(BaseModel):
 class Resources(Strict):
     """Where the job's ranks run."""
 
-    nodes: int = Field(1, ge=1, le=1, description="Multi-node jobs come later; 1 for now.")
-    processes_per_node: int = Field(1, ge=1, le=64)
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Worker nodes the job runs on, all at once (gang-scheduled) or not at all.",
+    )
+    processes_per_node: int = Field(
+        1, ge=1, le=64, description="Ranks per node; each takes a slot of its node."
+    )
     device: Literal["cpu", "cuda"] = "cpu"
 
 
@@ -170,6 +177,10 @@ class Job(BaseModel):
     cancel_requested: bool = False
     error: JobError | None
     latest_metrics: dict[str, float] = Field(default_factory=dict)
+    queued_reason: str | None = Field(
+        None,
+        description="Why a queued job has not started yet, e.g. `waiting for 2 nodes with 2 free cpu slots`.",
+    )
 
 
 class JobList(BaseModel):

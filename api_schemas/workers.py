@@ -9,14 +9,15 @@ from pydantic import BaseModel, Field
 
 
 class Worker(BaseModel):
-    """One worker process: what it runs on, how busy it is, when it last reported."""
+    """One worker node: what it runs on, how busy it is, when it last reported."""
 
-    name: str = Field(description="`host:pid`, as in the jobs it runs.")
+    name: str = Field(description="The node name (DPTRAIN_NODE_NAME), as in the jobs it runs.")
     hostname: str
+    address: str = Field(description="Where other nodes reach it (rendezvous, collectives).")
     device: Literal["cpu", "cuda"]
     device_count: int = Field(description="GPUs for a cuda worker, logical CPU cores for a cpu worker.")
-    slots: int = Field(description="Jobs it runs at once (its concurrency).")
-    free_slots: int
+    slots: int = Field(description="Rank processes it runs at once; a job takes `processes_per_node`.")
+    free_slots: int = Field(description="Slots no running job holds (a lost node's stay held until ended).")
     running_jobs: list[str]
     last_heartbeat: datetime
     heartbeat_age_seconds: float

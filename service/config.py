@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,8 +25,23 @@ class Settings(BaseSettings):
     # Worker: how often the launcher ships events to SQL and looks for a cancel request.
     report_interval_seconds: float = 0.5
     cancel_grace_seconds: float = 5.0
-    worker_concurrency: int = 1
-    # Republish a queued job nobody has claimed after this long (a lost publish); checked this often.
+    # Node jobs this worker process supervises at once (Celery threads); 0: as many as it has slots.
+    worker_concurrency: int = Field(0, ge=0)
+    # This worker node as placement sees it: its name (its queue is `<queue>.node.<name>`), the
+    # address other nodes reach it at (empty: the address its host name resolves to), and the rank
+    # processes it runs at once (0: one per GPU on a cuda node, one per core on a cpu node).
+    node_name: str = ""
+    node_address: str = ""
+    node_slots: int = Field(0, ge=0)
+    # Rendezvous ports handed to multi-node jobs (node 0 listens on one); see docs/cluster.md.
+    rendezvous_port_min: int = Field(29400, ge=1024, le=65535)
+    rendezvous_port_max: int = Field(29499, ge=1024, le=65535)
+    # A rendezvous that has not gathered every node in this long ends the attempt and frees its nodes.
+    rendezvous_timeout_seconds: float = Field(120.0, gt=0)
+    # Placement runs when a job is submitted or ends, and at least this often in every process.
+    schedule_interval_seconds: float = Field(2.0, gt=0)
+    # Publish a placed node's start message again if its worker has not started it after this long
+    # (a lost publish); checked this often.
     republish_after_seconds: float = 600.0
     reconcile_interval_seconds: float = 60.0
     # How often each worker process refreshes its row in `workers`; lost after 3 missed beats.
@@ -52,7 +68,7 @@ class Settings(BaseSettings):
     # `rate_limit_burst`; beyond it 429 with Retry-After. 0 turns it off.
     rate_limit_per_second: float = Field(20.0, ge=0)
     rate_limit_burst: int = Field(100, ge=1)
-    # A user's jobs running at once (admins included); the rest wait queued, in submission order.
+    # A user's jobs running at once (admins included); placement leaves the rest queued, with a reason.
     max_running_jobs_per_user: int = Field(4, ge=1)
     # How often an open `GET /v1/jobs/{id}/events` stream looks at the database.
     sse_poll_seconds: float = 1.0
@@ -80,9 +96,16 @@ class Settings(BaseSettings):
         if self.artifact_root is None:
             self.artifact_root = home / "artifacts"
         self.artifact_root = self.artifact_root.resolve()
+        if self.rendezvous_port_min > self.rendezvous_port_max:
+            raise ValueError("DPTRAIN_RENDEZVOUS_PORT_MIN must not exceed DPTRAIN_RENDEZVOUS_PORT_MAX")
         if self.default_page_size > self.max_page_size:
             raise ValueError("DPTRAIN_DEFAULT_PAGE_SIZE must not exceed DPTRAIN_MAX_PAGE_SIZE")
         return self
+
+    @property
+    def node(self) -> str:
+        """This worker's node name: DPTRAIN_NODE_NAME, else the host name."""
+        return self.node_name or socket.gethostname()
 
     @property
     def entrypoint_prefixes(self) -> list[str]:

@@ -1,8 +1,9 @@
-"""Publishing jobs to Celery by task name: the API never imports the worker code (nor torch)."""
+"""Sending node starts to Celery by task name: the API never imports the worker code (nor torch)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 from celery import Celery
@@ -11,7 +12,7 @@ from service.config import Settings
 
 log = logging.getLogger(__name__)
 
-RUN_JOB_TASK = "dptrain.run_job"
+RUN_NODE_TASK = "dptrain.run_node"
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
@@ -20,7 +21,6 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "broker_url": settings.broker_url,
         "task_serializer": "json",
         "accept_content": ["json"],
-        "task_default_queue": queue_for(settings.queue, "cpu"),
         "task_ignore_result": True,
         # A job runs for hours: acknowledge only after it ends, so a worker that dies mid-job
         # leaves the message for another; fetch one message at a time so a busy worker does not
@@ -33,9 +33,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
     }
 
 
-def queue_for(base: str, device: str) -> str:
-    """The queue of jobs for one device kind: a CPU worker must never take a CUDA job."""
-    return f"{base}.{device}"
+def node_queue(base: str, node: str) -> str:
+    """The queue of one worker node: placement decides the node, the broker only carries the message."""
+    return f"{base}.node.{node}"
 
 
 def _transport_options(broker_url: str) -> dict[str, object]:
@@ -47,18 +47,32 @@ def _transport_options(broker_url: str) -> dict[str, object]:
     return {}
 
 
+@dataclass(frozen=True)
+class NodeStart:
+    """Start node `node_rank` of attempt `attempt` of a job on worker node `worker`."""
+
+    job_id: str
+    attempt: int
+    node_rank: int
+    worker: str
+
+
 class Dispatcher(Protocol):
-    def send(self, job_id: str, *, device: str) -> None: ...
+    def start_node(self, start: NodeStart) -> None: ...
 
 
 class CeleryDispatcher:
-    """Sends `dptrain.run_job(job_id)` to the queue of the job's device kind."""
+    """Sends `dptrain.run_node(job_id, attempt, node_rank)` to the chosen node's own queue."""
 
     def __init__(self, settings: Settings) -> None:
         self.queue = settings.queue
         self.app = Celery("dptrain-api")
         self.app.conf.update(celery_config(settings))
 
-    def send(self, job_id: str, *, device: str) -> None:
-        """Publish one job id; ids only, never objects (Celery's own advice)."""
-        self.app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue_for(self.queue, device))
+    def start_node(self, start: NodeStart) -> None:
+        """Publish one node start; ids only, never objects (Celery's own advice)."""
+        self.app.send_task(
+            RUN_NODE_TASK,
+            args=[start.job_id, start.attempt, start.node_rank],
+            queue=node_queue(self.queue, start.worker),
+        )

@@ -6,12 +6,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, ScalarSelect, func, insert, select, update
+from sqlalchemy import ColumnElement, ScalarSelect, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus
-from service.jobs import quota
-from service.models import Checkpoint, Job, JobTransition
+from service.models import Checkpoint, Job, JobNode, JobTransition
 from service.models.base import utcnow
 
 # Which states a job may move to from each state. A running job returns to `queued` only to be
@@ -46,7 +45,8 @@ def transition(
     """Move a job from `src` to `dst` with one conditional UPDATE; None if it was not in `src`.
 
     The WHERE clause on the current status (and, for a worker, its fencing token) makes this
-    safe against races: of two concurrent callers only one sees its row updated.
+    safe against races: of two concurrent callers only one sees its row updated. Leaving `running`
+    frees every node the attempt was placed on, in the same transaction.
     """
     if not can_transition(src, dst):
         raise ValueError(f"illegal job transition {src.value} -> {dst.value}")
@@ -60,6 +60,8 @@ def transition(
     job = session.execute(stmt.values(**fields).returning(Job)).scalar_one_or_none()
     if job is None:
         return None
+    if src is JobStatus.RUNNING:
+        session.execute(delete(JobNode).where(JobNode.job_id == job_id))
     session.execute(
         insert(JobTransition).values(
             job_id=job_id,
@@ -80,38 +82,26 @@ def record_created(session: Session, *, job: Job) -> None:
     )
 
 
-def claim(
-    session: Session, *, job_id: str, worker: str, max_running_per_user: int | None = None
-) -> Job | None:
-    """Claim a queued job for a new attempt with a fresh fencing token; None if not claimable.
+def claim(session: Session, *, job_id: str, worker: str, reason: str | None = None) -> Job | None:
+    """Start a new attempt of a queued job with a fresh fencing token; None if it is not queued.
 
-    With `max_running_per_user`, the same UPDATE also requires the owner to have fewer jobs
-    running (claims of one owner serialised by a lock on the owner's row); a job refused for that
-    stays queued, marked `quota_deferred`, and is published again once one of the owner's ends.
+    Placement (service.scheduling) calls this for the jobs it places, `worker` being node 0.
     """
-    conditions: list[ColumnElement[bool]] = []
-    if max_running_per_user is not None:
-        quota.lock_owner(session, job_id=job_id)
-        conditions.append(quota.under_limit(max_running_per_user))
-    job = transition(
+    return transition(
         session,
         job_id=job_id,
         src=JobStatus.QUEUED,
         dst=JobStatus.RUNNING,
-        reason=f"claimed by {worker}",
+        reason=reason or f"placed on {worker}",
         values={
             "attempt": Job.attempt + 1,
             "claim_token": uuid.uuid4().hex,
             "started_at": utcnow(),
             "worker": worker,
             "error": None,
-            "quota_deferred": False,
+            "queued_reason": None,
         },
-        conditions=conditions,
     )
-    if job is None and max_running_per_user is not None:
-        quota.defer(session, job_id=job_id)  # a no-op unless the job is still queued
-    return job
 
 
 def resume_step(job_id: str) -> ScalarSelect[int]:

@@ -22,7 +22,6 @@ from sqlalchemy.orm import Session
 
 from service.db import insert_for, is_postgresql
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
-from service.models.base import utcnow
 
 
 def encode_cursor(job: Job) -> str:
@@ -169,10 +168,11 @@ def transitions(session: Session, *, job_id: str) -> Sequence[JobTransition]:
 
 def fenced_update(session: Session, *, job_id: str, claim_token: str, values: dict[str, Any]) -> bool:
     """Update a running job's progress fields only if `claim_token` still owns it (no values: just check)."""
+    # A terminal job keeps its last token: it is the status that fences every node out then.
+    owned = (Job.id == job_id, Job.claim_token == claim_token, Job.status == "running")
     if not values:
-        owner = select(Job.id).where(Job.id == job_id, Job.claim_token == claim_token)
-        return session.execute(owner).first() is not None
-    stmt = update(Job).where(Job.id == job_id, Job.claim_token == claim_token).values(**values)
+        return session.execute(select(Job.id).where(*owned)).first() is not None
+    stmt = update(Job).where(*owned).values(**values)
     return (session.execute(stmt).rowcount or 0) > 0  # type: ignore[attr-defined]
 
 
@@ -205,31 +205,6 @@ def delete_checkpoints(session: Session, *, job_id: str, paths: list[str]) -> No
     """Forget checkpoints whose files the engine removed (keep_last)."""
     if paths:
         session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.path.in_(paths)))
-
-
-def stale_queued(session: Session, *, older_than: datetime, limit: int) -> list[tuple[str, str]]:
-    """Take queued jobs untouched since `older_than`: bump their `updated_at` and return (id, device).
-
-    The conditional UPDATE hands each stale job to one reconciler per period even with many workers.
-    """
-    stmt = (
-        update(Job)
-        .where(
-            Job.id.in_(
-                select(Job.id)
-                # A deferred job's message was consumed on purpose: republish_deferred owns it.
-                .where(Job.status == "queued", Job.updated_at < older_than, Job.quota_deferred.is_(False))
-                .order_by(Job.created_at)
-                .limit(limit)
-                .scalar_subquery()
-            ),
-            Job.status == "queued",
-            Job.updated_at < older_than,
-        )
-        .values(updated_at=utcnow())
-        .returning(Job.id, Job.spec)
-    )
-    return [(job_id, str(spec["resources"]["device"])) for job_id, spec in session.execute(stmt)]
 
 
 def purge_history(session: Session, *, finished_before: datetime, limit: int = 100) -> int:

@@ -3,6 +3,17 @@
 from service.models.base import Base
 from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric
 from service.models.users import ApiToken, User
-from service.models.workers import Worker
+from service.models.workers import JobNode, Worker
 
-__all__ = ["ApiToken", "Base", "Checkpoint", "Job", "JobTransition", "LogLine", "Metric", "User", "Worker"]
+__all__ = [
+    "ApiToken",
+    "Base",
+    "Checkpoint",
+    "Job",
+    "JobNode",
+    "JobTransition",
+    "LogLine",
+    "Metric",
+    "User",
+    "Worker",
+]

@@ -22,6 +22,8 @@ class Job(Base):
         # One job per (owner, Idempotency-Key): concurrent retries of a submit create one job.
         # NULL keys (submits without the header) never collide.
         UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        # Placement reads queued jobs highest priority first, then oldest.
+        Index("ix_jobs_placement", "status", "priority", "created_at", "id"),
         # Counts by status, and a status-filtered page in keyset order without a sort.
         Index("ix_jobs_status_created", "status", "created_at", "id"),
         # `updated_since` polling, and the start-delay histogram of /metrics.
@@ -64,9 +66,9 @@ class Job(Base):
     # The submit's `Idempotency-Key` and the sha256 of its canonical spec (a replay must match it).
     idempotency_key: Mapped[str | None] = mapped_column(String(255), default=None)
     request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
-    # A claim refused by the owner's running-jobs limit left it queued with no message in the
-    # broker: it is published again when one of the owner's jobs ends (or by the reconciler).
-    quota_deferred: Mapped[bool] = mapped_column(default=False)
+    # Why placement has not started this queued job yet (e.g. "waiting for 2 nodes with 2 free cpu
+    # slots"); NULL once placed.
+    queued_reason: Mapped[str | None] = mapped_column(Text, default=None)
 
 
 class JobTransition(Base):

@@ -1,0 +1,112 @@
+"""Where queued jobs run: the placement decision itself, pure (no SQL), so its rules are tested directly.
+
+The rules, in order:
+- Jobs are considered highest `priority` first, then oldest first.
+- A job whose owner already has `max_running` jobs running waits, without holding up anyone else.
+- A job is placed all-or-nothing: `nodes` live nodes of its device kind, each with
+  `processes_per_node` free slots, or none at all. Nothing is ever reserved for a job that is not
+  placed, so two jobs can never each hold part of what both need (no partial-admission deadlock).
+- A job that could run on the live nodes but not now (they are busy) blocks the jobs after it of
+  the same device kind, so small jobs never starve a large one. A job that cannot run on the live
+  nodes at all (it asks for more nodes than there are) blocks nobody.
+- Nodes are chosen best-fit (fewest free slots that suffice, then by name), keeping large nodes free
+  for large jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Node:
+    """A live worker node: its capacity and what placement has not handed out yet."""
+
+    name: str
+    device: str
+    slots: int
+    free: int
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A queued job as placement needs it."""
+
+    job_id: str
+    owner_id: int
+    device: str
+    nodes: int
+    processes_per_node: int
+
+
+@dataclass
+class Decision:
+    """Where a job goes (node names in node-rank order), or why it waits."""
+
+    job_id: str
+    nodes: list[Node] = field(default_factory=list)
+    reason: str | None = None
+
+    @property
+    def placed(self) -> bool:
+        """Whether the job got its nodes."""
+        return bool(self.nodes)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def wanted(job: Pending) -> str:
+    """What a job needs, in words."""
+    return (
+        f"{_plural(job.nodes, 'node')} with {_plural(job.processes_per_node, 'free ' + job.device + ' slot')}"
+    )
+
+
+def decide(
+    pending: Sequence[Pending], *, nodes: Sequence[Node], running: dict[int, int], max_running: int
+) -> list[Decision]:
+    """Decide for each of `pending` (in placement order) where it runs or why it waits.
+
+    `nodes` are the live nodes with their free slots (updated in place as jobs are placed);
+    `running` counts running jobs per owner (also updated).
+    """
+    blocked: set[str] = set()
+    decisions = []
+    for job in pending:
+        decisions.append(
+            _decide_one(job, nodes=nodes, running=running, max_running=max_running, blocked=blocked)
+        )
+    return decisions
+
+
+def _decide_one(
+    job: Pending, *, nodes: Sequence[Node], running: dict[int, int], max_running: int, blocked: set[str]
+) -> Decision:
+    if running.get(job.owner_id, 0) >= max_running:
+        return Decision(
+            job.job_id,
+            reason=f"waiting: its owner has {running[job.owner_id]} jobs running, the limit is {max_running}",
+        )
+    kind = [n for n in nodes if n.device == job.device]
+    able = [n for n in kind if n.slots >= job.processes_per_node]
+    if len(able) < job.nodes:
+        return Decision(
+            job.job_id,
+            reason=f"waiting for {wanted(job)}: {_plural(len(kind), 'live ' + job.device + ' node')}"
+            f", {len(able)} of them with {_plural(job.processes_per_node, 'slot')}",
+        )
+    if job.device in blocked:
+        return Decision(job.job_id, reason=f"waiting for {wanted(job)}: behind earlier {job.device} jobs")
+    fit = sorted((n for n in able if n.free >= job.processes_per_node), key=lambda n: (n.free, n.name))
+    if len(fit) < job.nodes:
+        blocked.add(job.device)
+        return Decision(job.job_id, reason=f"waiting for {wanted(job)}: {len(fit)} such now")
+    chosen = fit[: job.nodes]
+    for n in chosen:
+        n.free -= job.processes_per_node
+    running[job.owner_id] = running.get(job.owner_id, 0) + 1
+    return Decision(job.job_id, nodes=chosen)

@@ -1,0 +1,152 @@
+"""Every SQL query of placement: live nodes under row locks, queued jobs in order, job_nodes rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from service.db import is_postgresql
+from service.models import Job, JobNode, Worker
+
+
+def lock_live_nodes(session: Session, *, beat_after: datetime) -> Sequence[Worker]:
+    """The nodes that beat after `beat_after`, locked until this transaction ends.
+
+    Every placement takes these locks first (in name order, so two placements never deadlock), so
+    placements run one after another and never hand out the same free slots twice. Ending an
+    attempt only deletes job_nodes rows (frees slots) and needs no lock. SQLite has no row locks:
+    a write first takes its one database write lock for the whole transaction instead.
+    """
+    stmt = select(Worker).where(Worker.last_heartbeat > beat_after).order_by(Worker.name)
+    if is_postgresql(session):
+        return session.execute(stmt.with_for_update()).scalars().all()
+    session.execute(update(Worker).where(Worker.name == "").values(slots=Worker.slots))
+    return session.execute(stmt).scalars().all()
+
+
+def used_slots(session: Session) -> dict[str, int]:
+    """Slots held by running jobs, per node."""
+    stmt = select(JobNode.worker, func.sum(JobNode.slots)).group_by(JobNode.worker)
+    return {w: int(n or 0) for w, n in session.execute(stmt)}
+
+
+def ports_in_use(session: Session) -> set[int]:
+    """Rendezvous ports held by running multi-node jobs."""
+    ports = session.execute(select(JobNode.port).where(JobNode.port.is_not(None))).scalars()
+    return {int(p) for p in ports if p is not None}
+
+
+def queued_in_order(session: Session, *, limit: int) -> Sequence[tuple[str, int, dict[str, Any], str | None]]:
+    """(id, owner id, spec, queued reason) of the first `limit` queued jobs: highest priority, then oldest."""
+    stmt = (
+        select(Job.id, Job.owner_id, Job.spec, Job.queued_reason)
+        .where(Job.status == "queued")
+        .order_by(Job.priority.desc(), Job.created_at, Job.id)
+        .limit(limit)
+    )
+    return [(j, int(o), dict(s), r) for j, o, s, r in session.execute(stmt)]
+
+
+def running_per_owner(session: Session) -> dict[int, int]:
+    """How many jobs each owner has running."""
+    stmt = select(Job.owner_id, func.count()).where(Job.status == "running").group_by(Job.owner_id)
+    return {int(o): int(n) for o, n in session.execute(stmt)}
+
+
+def set_reason(session: Session, *, job_id: str, reason: str) -> None:
+    """Record why a queued job waits, only if that changed (a change bumps updated_at: clients see it)."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == "queued", Job.queued_reason.is_distinct_from(reason))
+        .values(queued_reason=reason)
+    )
+
+
+def add_nodes(session: Session, *, rows: list[dict[str, Any]]) -> None:
+    """Insert the job_nodes rows of one placement."""
+    session.execute(insert(JobNode), rows)
+
+
+def release_job(session: Session, *, job_id: str) -> None:
+    """Free every node of a job (its attempt ended)."""
+    session.execute(delete(JobNode).where(JobNode.job_id == job_id))
+
+
+def release_node(session: Session, *, job_id: str, attempt: int, worker: str) -> None:
+    """Free one node of an attempt whose ranks there have exited (the others may still run)."""
+    session.execute(
+        delete(JobNode).where(JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.worker == worker)
+    )
+
+
+def nodes_of(session: Session, *, job_id: str) -> Sequence[JobNode]:
+    """A running job's nodes in node-rank order."""
+    return (
+        session.execute(select(JobNode).where(JobNode.job_id == job_id).order_by(JobNode.node_rank))
+        .scalars()
+        .all()
+    )
+
+
+def accept(
+    session: Session, *, job_id: str, attempt: int, node_rank: int, worker: str, now: datetime
+) -> bool:
+    """Mark a placed node started by its worker; False for a stale or duplicate message (nothing runs)."""
+    stmt = (
+        update(JobNode)
+        .where(
+            JobNode.job_id == job_id,
+            JobNode.node_rank == node_rank,
+            JobNode.attempt == attempt,
+            JobNode.worker == worker,
+            JobNode.started_at.is_(None),
+        )
+        .values(started_at=now)
+    )
+    return (session.execute(stmt).rowcount or 0) > 0  # type: ignore[attr-defined]
+
+
+def unstarted(session: Session, *, placed_before: datetime, now: datetime) -> list[tuple[str, int, int, str]]:
+    """Take placed nodes not started since `placed_before`: bump placed_at; (job, attempt, rank, worker).
+
+    The conditional UPDATE hands each to one reconciler per period even with many workers.
+    """
+    stmt = (
+        update(JobNode)
+        .where(JobNode.started_at.is_(None), JobNode.placed_at < placed_before)
+        .values(placed_at=now)
+        .returning(JobNode.job_id, JobNode.attempt, JobNode.node_rank, JobNode.worker)
+    )
+    return [(j, int(a), int(r), str(w)) for j, a, r, w in session.execute(stmt)]
+
+
+def leases(
+    session: Session,
+) -> Sequence[tuple[str, str, int, int, dict[str, Any], str, datetime, datetime | None, datetime | None]]:
+    """(job id, claim token, attempt, max_restarts, spec, worker, placed_at, started_at, the worker's last
+    heartbeat or None when its row is gone) of every node of every running job: what the reconciler checks."""
+    stmt = (
+        select(
+            Job.id,
+            Job.claim_token,
+            Job.attempt,
+            Job.max_restarts,
+            Job.spec,
+            JobNode.worker,
+            JobNode.placed_at,
+            JobNode.started_at,
+            Worker.last_heartbeat,
+        )
+        .join(JobNode, JobNode.job_id == Job.id)
+        .outerjoin(Worker, Worker.name == JobNode.worker)
+        .where(Job.status == "running", Job.claim_token.is_not(None), JobNode.attempt == Job.attempt)
+        .order_by(Job.id, JobNode.node_rank)
+    )
+    return [
+        (j, str(t), int(a), int(m), dict(s), str(w), placed, started, beat)
+        for j, t, a, m, s, w, placed, started, beat in session.execute(stmt)
+    ]

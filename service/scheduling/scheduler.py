@@ -1,0 +1,51 @@
+"""A thread that runs placement when kicked (a submit, an attempt's end) and every few seconds anyway."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.config import Settings
+from service.dispatch import Dispatcher
+from service.scheduling.service import schedule_once
+
+log = logging.getLogger(__name__)
+
+
+class Kicker(Protocol):
+    def kick(self) -> None: ...
+
+
+class Scheduler(threading.Thread):
+    """Placement rounds in the background: kicks that arrive during a round coalesce into one more."""
+
+    def __init__(
+        self, *, sessions: sessionmaker[Session], dispatcher: Dispatcher, settings: Settings
+    ) -> None:
+        super().__init__(name="dptrain-scheduler", daemon=True)
+        self.sessions, self.dispatcher, self.settings = sessions, dispatcher, settings
+        self.kicked = threading.Event()
+        self.stopped = threading.Event()
+
+    def kick(self) -> None:
+        """Ask for a round as soon as possible; never blocks (a request thread calls it)."""
+        self.kicked.set()
+
+    def stop(self) -> None:
+        """End the thread after the current round."""
+        self.stopped.set()
+        self.kicked.set()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            self.kicked.wait(self.settings.schedule_interval_seconds)
+            self.kicked.clear()
+            if self.stopped.is_set():
+                break
+            try:
+                schedule_once(sessions=self.sessions, dispatcher=self.dispatcher, settings=self.settings)
+            except Exception:  # noqa: BLE001 - e.g. the database restarting: the next round tries again
+                log.warning("placement round failed", exc_info=True)

@@ -1,0 +1,171 @@
+"""Placement in one place: every job, single- or multi-node, starts here and nowhere else.
+
+`schedule_once` decides under row locks in one transaction (moving each placed job to `running`
+with a new attempt and writing its job_nodes rows), and only after that commits sends each chosen
+node its own start message on that node's queue. A lost message is sent again by the reconciler
+(`republish_unstarted`); a node that never joins ends the attempt at the rendezvous timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.config import Settings
+from service.dispatch import Dispatcher, NodeStart
+from service.jobs import lifecycle
+from service.models.base import utcnow
+from service.scheduling import repository
+from service.scheduling.placement import Decision, Node, Pending, decide
+
+log = logging.getLogger(__name__)
+
+# Queued jobs looked at per round. Strict order means the first ones decide anyway; the bound keeps
+# a round cheap when thousands are queued.
+SCAN_LIMIT = 500
+# A node counts as live for placement while its heartbeat is younger than this many beats: tighter
+# than the attempt lease, so a job restarting after a node died is not placed on that node again.
+LIVE_BEATS = 3
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A job placed by one round, with the start messages to send once committed."""
+
+    job_id: str
+    starts: list[NodeStart]
+
+
+def live_after(settings: Settings) -> timedelta:
+    """How recent a heartbeat must be for placement to use the node."""
+    return timedelta(seconds=LIVE_BEATS * settings.worker_heartbeat_seconds)
+
+
+def place(session: Session, *, settings: Settings) -> list[Placed]:
+    """One placement round in the caller's transaction; returns what to start once it commits."""
+    now = utcnow()
+    workers = repository.lock_live_nodes(session, beat_after=now - live_after(settings))
+    queued = repository.queued_in_order(session, limit=SCAN_LIMIT)
+    if not queued:
+        return []
+    used = repository.used_slots(session)
+    nodes = [
+        Node(
+            name=w.name, device=w.device, slots=w.slots, free=w.slots - used.get(w.name, 0), address=w.address
+        )
+        for w in workers
+    ]
+    pending = [
+        Pending(
+            job_id=job_id,
+            owner_id=owner,
+            device=str(spec["resources"].get("device", "cpu")),
+            nodes=int(spec["resources"].get("nodes", 1)),
+            processes_per_node=int(spec["resources"].get("processes_per_node", 1)),
+        )
+        for job_id, owner, spec, _ in queued
+    ]
+    reasons = {job_id: reason for job_id, _, _, reason in queued}
+    decisions = decide(
+        pending,
+        nodes=nodes,
+        running=repository.running_per_owner(session),
+        max_running=settings.max_running_jobs_per_user,
+    )
+    ports = repository.ports_in_use(session)
+    placed = []
+    for job, decision in zip(pending, decisions, strict=True):
+        if not decision.placed:
+            if decision.reason is not None and decision.reason != reasons[job.job_id]:
+                repository.set_reason(session, job_id=job.job_id, reason=decision.reason)
+            continue
+        port = None
+        if job.nodes > 1:
+            port = _free_port(ports, settings=settings)
+            if port is None:
+                reason = "waiting for a free rendezvous port (every DPTRAIN_RENDEZVOUS_PORT_* port is in use)"
+                repository.set_reason(session, job_id=job.job_id, reason=reason)
+                continue
+            ports.add(port)
+        if (started := _start(session, job=job, decision=decision, port=port)) is not None:
+            placed.append(started)
+    return placed
+
+
+def _free_port(ports: set[int], *, settings: Settings) -> int | None:
+    for port in range(settings.rendezvous_port_min, settings.rendezvous_port_max + 1):
+        if port not in ports:
+            return port
+    return None
+
+
+def _start(session: Session, *, job: Pending, decision: Decision, port: int | None) -> Placed | None:
+    """Move the job to `running` with a new attempt on the decided nodes; None if it left `queued`."""
+    names = [n.name for n in decision.nodes]
+    row = lifecycle.claim(session, job_id=job.job_id, worker=names[0], reason=f"placed on {', '.join(names)}")
+    if row is None:  # cancelled since it was read
+        return None
+    now = utcnow()
+    repository.add_nodes(
+        session,
+        rows=[
+            {
+                "job_id": job.job_id,
+                "node_rank": rank,
+                "attempt": row.attempt,
+                "worker": node.name,
+                "slots": job.processes_per_node,
+                "address": node.address,
+                "port": port if rank == 0 else None,
+                "placed_at": now,
+                "started_at": None,
+            }
+            for rank, node in enumerate(decision.nodes)
+        ],
+    )
+    starts = [
+        NodeStart(job_id=job.job_id, attempt=row.attempt, node_rank=rank, worker=name)
+        for rank, name in enumerate(names)
+    ]
+    return Placed(job_id=job.job_id, starts=starts)
+
+
+def send(dispatcher: Dispatcher, placed: list[Placed]) -> None:
+    """Send the start messages of committed placements; a failed send is retried by the reconciler."""
+    for p in placed:
+        for start in p.starts:
+            try:
+                dispatcher.start_node(start)
+            except Exception:  # noqa: BLE001 - the node row stays unstarted: republish_unstarted resends
+                log.warning(
+                    "job %s: sending node %d its start failed", start.job_id, start.node_rank, exc_info=True
+                )
+
+
+def schedule_once(
+    *, sessions: sessionmaker[Session], dispatcher: Dispatcher, settings: Settings
+) -> list[str]:
+    """Run one placement round and send its start messages; returns the ids of the jobs placed."""
+    with sessions.begin() as session:
+        placed = place(session, settings=settings)
+    send(dispatcher, placed)
+    if placed:
+        log.info("placed %d jobs: %s", len(placed), [p.job_id for p in placed])
+    return [p.job_id for p in placed]
+
+
+def republish_unstarted(
+    *, sessions: sessionmaker[Session], dispatcher: Dispatcher, after_seconds: float
+) -> list[NodeStart]:
+    """Send again the start of every placed node its worker has not started for `after_seconds`."""
+    now = utcnow()
+    with sessions.begin() as session:
+        due = repository.unstarted(session, placed_before=now - timedelta(seconds=after_seconds), now=now)
+    starts = [NodeStart(job_id=j, attempt=a, node_rank=r, worker=w) for j, a, r, w in due]
+    send(dispatcher, [Placed(job_id=s.job_id, starts=[s]) for s in starts])
+    if starts:
+        log.info("sent %d node starts again: %s", len(starts), starts)
+    return starts

@@ -1,0 +1,174 @@
+"""Placement on PostgreSQL: job_nodes rows, start messages, limits, freeing, and no double booking."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobSpec, JobStatus
+from service.auth.tokens import ensure_bootstrap_admin
+from service.config import Settings
+from service.db import session_factory
+from service.jobs import lifecycle, service
+from service.models import Job, JobNode, Worker
+from service.models.base import utcnow
+from service.scheduling import repository
+from service.scheduling.service import republish_unstarted, schedule_once
+from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, add_user, as_user, register_node
+from tests.conftest import create_database, drop_database
+from tests.jobs.test_router import SPEC
+
+
+def _spec(name: str, *, nodes: int = 1, ppn: int = 1, priority: int = 0) -> dict[str, object]:
+    return {
+        **SPEC,
+        "name": name,
+        "priority": priority,
+        "resources": {"nodes": nodes, "processes_per_node": ppn},
+    }
+
+
+def _job(db: Session, job_id: str) -> Job:
+    db.expire_all()
+    job = db.get(Job, job_id)
+    assert job is not None
+    return job
+
+
+class TestPlacement:
+    def test_a_two_node_job_gets_a_row_and_a_start_per_node_and_a_rendezvous_port(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
+    ) -> None:
+        register_node(sessions, name="a", slots=2, address="10.0.0.1")
+        register_node(sessions, name="b", slots=2, address="10.0.0.2")
+        job_id = client.post("/v1/jobs", json=_spec("wide", nodes=2, ppn=2)).json()["id"]
+        sent = RecordingDispatcher()
+        assert schedule_once(sessions=sessions, dispatcher=sent, settings=settings) == [job_id]
+        job = _job(db, job_id)
+        assert (job.status, job.attempt, job.worker, job.queued_reason) == ("running", 1, "a", None)
+        rows = db.execute(select(JobNode).order_by(JobNode.node_rank)).scalars().all()
+        got = [(r.node_rank, r.worker, r.slots, r.address, r.port, r.attempt) for r in rows]
+        assert got == [
+            (0, "a", 2, "10.0.0.1", settings.rendezvous_port_min, 1),
+            (1, "b", 2, "10.0.0.2", None, 1),
+        ]
+        assert [(s.worker, s.node_rank, s.attempt) for s in sent.starts] == [("a", 0, 1), ("b", 1, 1)]
+        # Leaving `running` frees every node of the attempt.
+        with sessions.begin() as s:
+            lifecycle.transition(s, job_id=job_id, src=JobStatus.RUNNING, dst=JobStatus.FAILED)
+        assert db.execute(select(func.count()).select_from(JobNode)).scalar() == 0
+
+    def test_higher_priority_first_then_oldest(
+        self, client: TestClient, sessions: sessionmaker[Session], settings: Settings
+    ) -> None:
+        register_node(sessions, name="one", slots=1)
+        old = client.post("/v1/jobs", json=_spec("old")).json()["id"]
+        urgent = client.post("/v1/jobs", json=_spec("urgent", priority=5)).json()["id"]
+        sent = RecordingDispatcher()
+        assert schedule_once(sessions=sessions, dispatcher=sent, settings=settings) == [urgent]
+        waiting = client.get(f"/v1/jobs/{old}").json()
+        assert waiting["queued_reason"] == "waiting for 1 node with 1 free cpu slot: 0 such now", waiting
+
+    def test_the_running_limit_holds_back_one_owner_only(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
+    ) -> None:
+        register_node(sessions, name="big", slots=8)
+        kim = as_user(add_user(db, "kim"))
+        ids = [client.post("/v1/jobs", json=_spec(f"k{i}"), headers=kim).json()["id"] for i in range(3)]
+        leo = client.post("/v1/jobs", json=_spec("leo"), headers=as_user(add_user(db, "leo"))).json()["id"]
+        limited = settings.model_copy(update={"max_running_jobs_per_user": 2})
+        placed = schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=limited)
+        assert placed == [ids[0], ids[1], leo], placed
+        assert _job(db, ids[2]).queued_reason == "waiting: its owner has 2 jobs running, the limit is 2"
+        with sessions.begin() as s:
+            lifecycle.transition(s, job_id=ids[0], src=JobStatus.RUNNING, dst=JobStatus.SUCCEEDED)
+        assert schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=limited) == [
+            ids[2]
+        ]
+
+    def test_a_node_that_stopped_beating_gets_nothing(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
+    ) -> None:
+        register_node(sessions, name="stale", slots=4)
+        with sessions.begin() as s:
+            s.query(Worker).filter_by(name="stale").update(
+                {"last_heartbeat": utcnow() - timedelta(minutes=1)}
+            )
+        job_id = client.post("/v1/jobs", json=_spec("orphan")).json()["id"]
+        assert schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings) == []
+        assert "0 live cpu nodes" in (_job(db, job_id).queued_reason or "")
+
+    def test_a_start_is_accepted_once_and_only_for_its_attempt_and_node(
+        self, client: TestClient, sessions: sessionmaker[Session], settings: Settings
+    ) -> None:
+        register_node(sessions, name="solo", slots=1)
+        job_id = client.post("/v1/jobs", json=_spec("once")).json()["id"]
+        schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings)
+
+        def accept(attempt: int, worker: str) -> bool:
+            with sessions.begin() as s:
+                return repository.accept(
+                    s, job_id=job_id, attempt=attempt, node_rank=0, worker=worker, now=utcnow()
+                )
+
+        assert not accept(2, "solo"), "another attempt's message"
+        assert not accept(1, "other"), "a message for another node"
+        assert accept(1, "solo")
+        assert not accept(1, "solo"), "a duplicate delivery"
+
+    def test_a_lost_start_message_is_sent_again(
+        self, client: TestClient, sessions: sessionmaker[Session], settings: Settings
+    ) -> None:
+        register_node(sessions, name="solo", slots=1)
+        job_id = client.post("/v1/jobs", json=_spec("lost-message")).json()["id"]
+        schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings)
+        again = RecordingDispatcher()
+        assert republish_unstarted(sessions=sessions, dispatcher=again, after_seconds=600) == []
+        assert [
+            s.job_id for s in republish_unstarted(sessions=sessions, dispatcher=again, after_seconds=0)
+        ] == [job_id]
+        assert again.sent == [job_id]
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[sessionmaker[Session], Settings]]:
+    """A database of its own: concurrent placements need real commits on separate connections."""
+    url = create_database("dptrain_placement")
+    settings = Settings(database_url=url, home=tmp_path_factory.mktemp("placement"))
+    yield session_factory(settings), settings
+    drop_database(url)
+
+
+def test_concurrent_placements_never_hand_out_a_slot_twice(
+    committed: tuple[sessionmaker[Session], Settings],
+) -> None:
+    sessions, settings = committed
+    register_node(sessions, name="x", slots=2)
+    register_node(sessions, name="y", slots=2)
+    with sessions.begin() as s:
+        admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        for i in range(12):
+            service.submit(s, user=admin, spec=JobSpec.model_validate(_spec(f"race-{i}")))
+    roomy = settings.model_copy(update={"max_running_jobs_per_user": 100})
+    barrier = threading.Barrier(4)
+    placed: list[str] = []
+
+    def round_() -> None:
+        barrier.wait(timeout=30)
+        placed.extend(schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=roomy))
+
+    threads = [threading.Thread(target=round_) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(placed) == len(set(placed)) == 4, f"4 slots in all, each handed out once: {placed}"
+    with sessions() as s:
+        used = repository.used_slots(s)
+    assert used == {"x": 2, "y": 2}, used
