@@ -46,11 +46,11 @@ SPEC = {
 }
 
 
-class NullDispatcher:
-    """Nothing is published: no worker runs these jobs."""
+class NullScheduler:
+    """No placement: no worker runs these jobs."""
 
-    def send(self, job_id: str, *, device: str) -> None:
-        """Drop it."""
+    def kick(self) -> None:
+        """Ignore it."""
 
 
 def ingest(url: str, job_id: str, *, points: int, chunk_points: int, base: Path) -> dict[str, Any]:
@@ -160,7 +160,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
             bootstrap_token=BENCH_TOKEN,  # type: ignore[arg-type]
             rate_limit_per_second=0,
         )
-        app = create_app(settings, dispatcher=NullDispatcher())
+        app = create_app(settings, scheduler=NullScheduler())
         with TestClient(app, headers={"Authorization": f"Bearer {BENCH_TOKEN}"}) as client:
             ids = []
             for i in range(2):

@@ -91,7 +91,6 @@ def running_stack(tmp: Path, *, worker: bool, api_workers: int = 1, **extra_env:
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, 9)
                     p.wait(timeout=10)
-            _purge_queue(queue)
 
 
 def _wait_healthy(
@@ -110,15 +109,3 @@ def _wait_healthy(
             pass
         time.sleep(0.1)
     raise RuntimeError(f"API at {base} not healthy after {timeout} s")
-
-
-def _purge_queue(queue: str) -> None:
-    """Drop the benchmark's Redis queue (submits nobody consumed would otherwise stay there)."""
-    try:
-        import redis
-
-        from service.dispatch import queue_for
-
-        redis.Redis.from_url(REDIS_URL).delete(*(queue_for(queue, d) for d in ("cpu", "cuda")))
-    except Exception:  # noqa: BLE001 - best effort: a leftover queue of a throwaway name harms nothing
-        pass

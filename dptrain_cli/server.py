@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from service.config import Settings, get_settings
-from service.dispatch import queue_for
+from service.dispatch import node_queue
 
 console = Console(stderr=True)
 
@@ -38,12 +38,24 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
 
 
 def worker(
-    concurrency: int = typer.Option(0, help="Jobs run at once (default DPTRAIN_WORKER_CONCURRENCY)."),
+    concurrency: int = typer.Option(0, help="Node runs supervised at once (default: its slots)."),
     device: str = typer.Option(
         "auto", help="Which jobs to take: cpu, cuda, or auto (cuda if a GPU is visible)."
     ),
+    node_name: str = typer.Option(
+        "", help="This node's name (default DPTRAIN_NODE_NAME, else the host name)."
+    ),
+    address: str = typer.Option("", help="Where other nodes reach this one (default DPTRAIN_NODE_ADDRESS)."),
+    slots: int = typer.Option(
+        0, help="Rank processes at once (default DPTRAIN_NODE_SLOTS, else GPUs or cores)."
+    ),
 ) -> None:
-    """Run a Celery worker that trains jobs of one device kind."""
+    """Run a worker node: a Celery worker on this node's own queue, placing and running jobs' ranks."""
+    # Options override the environment; the worker's modules read settings once, on import.
+    for key, value in (("NODE_NAME", node_name), ("NODE_ADDRESS", address), ("NODE_SLOTS", slots or "")):
+        if value:
+            os.environ[f"DPTRAIN_{key}"] = str(value)
+    get_settings.cache_clear()
     settings = get_settings()
     if device == "auto":
         import torch  # only the worker needs torch, and only to look for a GPU
@@ -52,13 +64,27 @@ def worker(
     if device not in ("cpu", "cuda"):
         raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
     from workers.celery_app import app as celery_app
+    from workers.heartbeat import node_slots
 
-    celery_app.worker_main(_worker_argv(settings, concurrency or settings.worker_concurrency, device))
+    celery_app.conf.dptrain_device = device
+    threads = concurrency or settings.worker_concurrency or node_slots(settings, device)
+    celery_app.worker_main(_worker_argv(settings, threads))
 
 
-def _worker_argv(settings: Settings, concurrency: int, device: str) -> list[str]:
-    queue = queue_for(settings.queue, device)
-    return ["worker", "-Q", queue, "-c", str(concurrency), "--loglevel", "INFO", "-n", f"dptrain-{device}@%h"]
+def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
+    # Placement chose this node: its queue carries only the starts meant for it.
+    queue = node_queue(settings.queue, settings.node)
+    return [
+        "worker",
+        "-Q",
+        queue,
+        "-c",
+        str(concurrency),
+        "--loglevel",
+        "INFO",
+        "-n",
+        f"dptrain-{settings.node}@%h",
+    ]
 
 
 def up(host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -76,7 +102,7 @@ def up(host: str = "127.0.0.1", port: int = 8000) -> None:
     get_settings.cache_clear()
     migrate()
     settings = get_settings()
-    worker_cmd = [sys.executable, "-m", "dptrain_cli.main", "worker", "--concurrency", "1", "--device", "cpu"]
+    worker_cmd = [sys.executable, "-m", "dptrain_cli.main", "worker", "--device", "cpu"]
     worker_proc = subprocess.Popen(worker_cmd, env=os.environ.copy())
     console.print(
         f"[bold]dptrain up[/bold] on http://{host}:{port}  home={home}\n"

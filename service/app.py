@@ -19,14 +19,17 @@ from service.jobs.router import router as jobs_router
 from service.limits import BodyLimit, TokenBuckets
 from service.ops.metrics import DatabaseCollector, RequestLatency, request_histogram
 from service.ops.router import router as ops_router
+from service.scheduling.scheduler import Kicker, Scheduler
 from service.users.router import router as users_router
 from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | None = None) -> FastAPI:
-    """Build the API app; tests pass their own settings and dispatcher."""
+def create_app(
+    settings: Settings | None = None, *, dispatcher: Dispatcher | None = None, scheduler: Kicker | None = None
+) -> FastAPI:
+    """Build the API app; tests pass their own settings, and a scheduler stand-in or a dispatcher."""
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -34,7 +37,14 @@ def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | Non
         if settings.bootstrap_token is not None:
             with app.state.session_factory.begin() as session:
                 ensure_bootstrap_admin(session, token=settings.bootstrap_token.get_secret_value())
-        yield
+        own = app.state.scheduler if isinstance(app.state.scheduler, Scheduler) else None
+        if own is not None:
+            own.start()
+        try:
+            yield
+        finally:
+            if own is not None:
+                own.stop()
 
     app = FastAPI(
         title="dptrain",
@@ -44,7 +54,13 @@ def create_app(settings: Settings | None = None, *, dispatcher: Dispatcher | Non
     )
     app.state.settings = settings
     app.state.session_factory = session_factory(settings)
-    app.state.dispatcher = dispatcher or CeleryDispatcher(settings)
+    # Placement runs in this process too, so a submitted job starts without waiting for a worker's
+    # periodic round; row locks keep concurrent placements (other API processes, workers) apart.
+    app.state.scheduler = scheduler or Scheduler(
+        sessions=app.state.session_factory,
+        dispatcher=dispatcher or CeleryDispatcher(settings),
+        settings=settings,
+    )
     install_error_handler(app)
     # A registry per app, not prometheus_client's global one: tests build many apps in one process.
     app.state.metrics_registry = CollectorRegistry()

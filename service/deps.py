@@ -12,10 +12,10 @@ from sqlalchemy.orm import Session
 
 from service.auth.tokens import hash_token
 from service.config import Settings
-from service.dispatch import Dispatcher
 from service.errors import TooManyRequests, Unauthorized
 from service.limits import TokenBuckets
 from service.models import User
+from service.scheduling.scheduler import Kicker
 from service.users.repository import user_for_token_hash
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ def get_settings_dep(request: Request) -> Settings:
 def get_session(request: Request) -> Iterator[Session]:
     """A session whose transaction the request owns: commit at the end, rollback on error.
 
-    Callbacks queued in `session.info["after_commit"]` (publishing to Celery) run only after the
-    commit succeeded, so a worker can never receive a job id whose row is not there yet.
+    Callbacks queued in `session.info["after_commit"]` (kicking placement) run only after the
+    commit succeeded, so placement never looks for a job whose row is not there yet.
     """
     session: Session = request.app.state.session_factory()
     try:
@@ -42,8 +42,8 @@ def get_session(request: Request) -> Iterator[Session]:
             try:
                 callback()
             except Exception:  # noqa: BLE001
-                # The job row is committed, so the submit still succeeds: a job whose publish
-                # failed stays queued and the workers' reconciler publishes it again.
+                # The job row is committed, so the submit still succeeds: the next periodic
+                # placement round finds the queued job anyway.
                 log.exception("after-commit callback failed")
     except BaseException:
         session.rollback()
@@ -52,16 +52,16 @@ def get_session(request: Request) -> Iterator[Session]:
         session.close()
 
 
-def get_dispatcher(request: Request) -> Dispatcher:
-    """Where accepted jobs are published."""
-    dispatcher: Dispatcher = request.app.state.dispatcher
-    return dispatcher
+def get_scheduler(request: Request) -> Kicker:
+    """The placement thread of this API process, kicked when a job is submitted."""
+    scheduler: Kicker = request.app.state.scheduler
+    return scheduler
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
-# scope="function": commit (and publish) before the response is sent, so a 201 means committed.
+# scope="function": commit (and kick placement) before the response is sent, so a 201 means committed.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
-DispatcherDep = Annotated[Dispatcher, Depends(get_dispatcher)]
+SchedulerDep = Annotated[Kicker, Depends(get_scheduler)]
 
 _bearer = HTTPBearer(auto_error=False)
 

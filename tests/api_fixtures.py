@@ -1,4 +1,4 @@
-"""The API app wired to the test's rolled-back transaction and a recording dispatcher."""
+"""The API app wired to the test's rolled-back transaction and a recording placement kicker."""
 
 from __future__ import annotations
 
@@ -11,25 +11,39 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.app import create_app
 from service.config import Settings
+from service.dispatch import NodeStart
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
 class RecordingDispatcher:
-    """Stands in for the broker in API tests: records which job ids were published, in order."""
+    """Stands in for the broker: records the node starts placement sent, in order."""
 
     def __init__(self) -> None:
-        self.sent: list[str] = []
-        self.devices: list[str] = []
+        self.starts: list[NodeStart] = []
 
-    def send(self, job_id: str, *, device: str) -> None:
-        self.sent.append(job_id)
-        self.devices.append(device)
+    def start_node(self, start: NodeStart) -> None:
+        self.starts.append(start)
+
+    @property
+    def sent(self) -> list[str]:
+        """The job ids of node 0 starts: one per placed attempt."""
+        return [s.job_id for s in self.starts if s.node_rank == 0]
+
+
+class RecordingScheduler:
+    """Stands in for the API's placement thread: counts the kicks."""
+
+    def __init__(self) -> None:
+        self.kicks = 0
+
+    def kick(self) -> None:
+        self.kicks += 1
 
 
 @pytest.fixture
-def dispatcher() -> RecordingDispatcher:
-    return RecordingDispatcher()
+def scheduler() -> RecordingScheduler:
+    return RecordingScheduler()
 
 
 @pytest.fixture
@@ -44,10 +58,10 @@ def settings(pg_url: str, tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def client(
-    settings: Settings, sessions: sessionmaker[Session], dispatcher: RecordingDispatcher
+    settings: Settings, sessions: sessionmaker[Session], scheduler: RecordingScheduler
 ) -> Iterator[TestClient]:
     """An authenticated client of the real app on PostgreSQL."""
-    app = create_app(settings, dispatcher=dispatcher)
+    app = create_app(settings, scheduler=scheduler)
     app.state.session_factory = sessions
     with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
         yield c
@@ -65,3 +79,23 @@ def add_user(session: Session, name: str, *, admin: bool = False) -> str:
 def as_user(token: str) -> dict[str, str]:
     """Headers that act as another user on the same client."""
     return {"Authorization": f"Bearer {token}"}
+
+
+def register_node(
+    sessions: sessionmaker[Session], *, name: str, slots: int, device: str = "cpu", address: str = "127.0.0.1"
+) -> None:
+    """A worker node's heartbeat, as `dptrain worker` writes it, beating now."""
+    from service.models.base import utcnow
+    from service.workers import repository
+
+    with sessions.begin() as session:
+        repository.heartbeat(
+            session,
+            name=name,
+            hostname="test-host",
+            address=address,
+            device=device,
+            device_count=slots,
+            slots=slots,
+            now=utcnow(),
+        )

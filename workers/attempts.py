@@ -10,8 +10,6 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
-from service.config import Settings
-from service.dispatch import CeleryDispatcher, Dispatcher
 from service.jobs import lifecycle
 
 log = logging.getLogger(__name__)
@@ -60,18 +58,11 @@ class Attempt:
     device: str
 
 
-def end_abnormally(
-    sessions: sessionmaker[Session],
-    *,
-    settings: Settings,
-    att: Attempt,
-    error: dict[str, Any],
-    dispatcher: Dispatcher | None = None,
-) -> JobStatus:
-    """End a failed attempt: requeue and republish the job while restarts remain, else fail it.
+def end_abnormally(sessions: sessionmaker[Session], *, att: Attempt, error: dict[str, Any]) -> JobStatus:
+    """End a failed attempt: requeue the job while restarts remain (placement starts it again), else fail it.
 
-    Both are conditional on the attempt's claim token, so only the attempt's owner (or the
-    reconciler that took its lease away) records it, once.
+    Both are conditional on the attempt's claim token, so only one of the attempt's nodes (or the
+    reconciler that took its lease away) records it, once; leaving `running` frees all its nodes.
     """
     if is_retryable(error) and att.number <= att.max_restarts:
         reason = (
@@ -83,38 +74,14 @@ def end_abnormally(
             "worker": None,
             "error": error,
             "step": lifecycle.resume_step(att.job_id),
+            "queued_reason": "restarting: waiting for placement",
         }
-        if finish(
+        finish(
             sessions, job_id=att.job_id, token=att.token, dst=JobStatus.QUEUED, reason=reason, values=values
-        ):
-            publish(dispatcher or CeleryDispatcher(settings), job_id=att.job_id, device=att.device)
+        )
         return JobStatus.QUEUED
     finish(sessions, job_id=att.job_id, token=att.token, dst=JobStatus.FAILED, error=error)
     return JobStatus.FAILED
-
-
-def publish(dispatcher: Dispatcher, *, job_id: str, device: str) -> None:
-    """Publish a requeued job; if the broker is down the reconciler republishes it later."""
-    try:
-        dispatcher.send(job_id, device=device)
-    except Exception:  # noqa: BLE001 - the row is queued: republish_stale picks it up
-        log.warning("job %s: publishing the restart failed; the reconciler will", job_id, exc_info=True)
-
-
-def release_deferred(*, sessions: sessionmaker[Session], settings: Settings, owner_id: int) -> None:
-    """This owner has one running job fewer: publish what the running-jobs limit held back."""
-    from service.dispatch import CeleryDispatcher
-    from workers.reconciler import republish_deferred
-
-    try:
-        republish_deferred(
-            sessions=sessions,
-            dispatcher=CeleryDispatcher(settings),
-            max_running=settings.max_running_jobs_per_user,
-            owner_id=owner_id,
-        )
-    except Exception:  # noqa: BLE001 - the reconciler's next round does it instead
-        log.warning("publishing deferred jobs of owner %s failed", owner_id, exc_info=True)
 
 
 def finish(

@@ -14,57 +14,60 @@ settings = get_settings()
 app = Celery("dptrain", include=["workers.tasks"])
 app.conf.update(celery_config(settings))
 app.conf.update(
-    worker_concurrency=settings.worker_concurrency,
     # The task only supervises torchrun subprocesses, so threads are enough and avoid forking a
     # process that holds SQLAlchemy connections.
     worker_pool="threads",
     worker_hijack_root_logger=False,
     # A broker restart must not end a job that is running fine: keep the task running through a lost
-    # connection (its unacked message may be delivered again, and the claim refuses that delivery),
-    # and reconnect for as long as it takes. See docs/reliability.md.
+    # connection (its unacked message may be delivered again, and the acceptance refuses that
+    # delivery), and reconnect for as long as it takes. See docs/reliability.md.
     worker_cancel_long_running_tasks_on_connection_loss=False,
     broker_connection_max_retries=None,
 )
 
 
-_reconciler: Any = None
-_heartbeat: Any = None
+_threads: list[Any] = []
 
 
 @worker_ready.connect
-def _start_reconciler(sender: Any = None, **_: Any) -> None:
-    global _reconciler, _heartbeat
+def _start_background(sender: Any = None, **_: Any) -> None:
+    """Heartbeat, placement and reconciler threads of this worker node."""
     from service.db import session_factory
-    from service.dispatch import CeleryDispatcher, queue_for
-    from workers.heartbeat import Heartbeat
+    from service.dispatch import CeleryDispatcher
+    from service.scheduling.scheduler import Scheduler
+    from workers import runner
+    from workers.heartbeat import Heartbeat, node_address, node_slots
     from workers.reconciler import Reconciler
-    from workers.runner import worker_name
 
-    _reconciler = Reconciler(
+    device = app.conf.get("dptrain_device", "cpu")
+    dispatcher = CeleryDispatcher(settings)
+    scheduler = Scheduler(sessions=session_factory(settings), dispatcher=dispatcher, settings=settings)
+    # This node's slots are free again when one of its runs ends: place what waits right away.
+    runner.on_release.append(scheduler.kick)
+    heartbeat = Heartbeat(
         sessions=session_factory(settings),
-        dispatcher=CeleryDispatcher(settings),
-        settings=settings,
-        me=worker_name(),
-    )
-    _reconciler.start()
-    # `sender` is the worker's consumer: its queues tell the device kind, its controller the slots.
-    queues = set(getattr(getattr(sender, "task_consumer", None), "queues", None) or [])
-    names = {getattr(q, "name", q) for q in queues}
-    slots = getattr(getattr(sender, "controller", None), "concurrency", None) or settings.worker_concurrency
-    _heartbeat = Heartbeat(
-        sessions=session_factory(settings),
-        name=worker_name(),  # what lifecycle.claim writes into jobs.worker
-        device="cuda" if queue_for(settings.queue, "cuda") in names else "cpu",
-        slots=int(slots),
+        name=settings.node,
+        address=node_address(settings),
+        device=device,
+        slots=node_slots(settings, device),
         interval=settings.worker_heartbeat_seconds,
+        on_first_beat=scheduler.kick,
     )
-    _heartbeat.start()
+    reconciler = Reconciler(
+        sessions=session_factory(settings),
+        dispatcher=dispatcher,
+        settings=settings,
+        me=settings.node,
+        on_freed=scheduler.kick,
+    )
+    _threads[:] = [heartbeat, scheduler, reconciler]
+    for thread in _threads:
+        thread.start()
 
 
 @worker_shutdown.connect
-def _stop_reconciler(**_: Any) -> None:
-    if _reconciler is not None:
-        _reconciler.stopped.set()
-    if _heartbeat is not None:
-        _heartbeat.stopped.set()
-        _heartbeat.join(timeout=5)
+def _stop_background(**_: Any) -> None:
+    for thread in _threads:
+        thread.stopped.set()
+    for thread in _threads:
+        thread.join(timeout=5)

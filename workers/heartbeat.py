@@ -1,4 +1,4 @@
-"""Each worker process says every few seconds that it is alive, on what devices, with how many slots."""
+"""Each worker node says every few seconds that it is alive, where it is, what devices and slots it has."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.config import Settings
 from service.models.base import utcnow
 from service.workers import repository
 
@@ -24,16 +26,40 @@ def device_count(device: str) -> int:
     return os.cpu_count() or 1
 
 
+def node_address(settings: Settings) -> str:
+    """DPTRAIN_NODE_ADDRESS, else what this host's name resolves to (127.0.0.1 if it resolves to nothing)."""
+    if settings.node_address:
+        return settings.node_address
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def node_slots(settings: Settings, device: str) -> int:
+    """DPTRAIN_NODE_SLOTS, else one rank per GPU (cuda) or per core (cpu)."""
+    return settings.node_slots or max(1, device_count(device))
+
+
 class Heartbeat(threading.Thread):
-    """Refreshes this worker's row every `interval` seconds until stopped, then removes it."""
+    """Refreshes this node's row every `interval` seconds until stopped, then removes it."""
 
     def __init__(
-        self, *, sessions: sessionmaker[Session], name: str, device: str, slots: int, interval: float
+        self,
+        *,
+        sessions: sessionmaker[Session],
+        name: str,
+        address: str,
+        device: str,
+        slots: int,
+        interval: float,
+        on_first_beat: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="dptrain-heartbeat", daemon=True)
-        self.sessions, self.worker, self.device = sessions, name, device
+        self.sessions, self.worker, self.address, self.device = sessions, name, address, device
         self.slots, self.interval = slots, interval
         self.count = device_count(device)
+        self.on_first_beat = on_first_beat
         self.stopped = threading.Event()
 
     def beat(self) -> None:
@@ -43,6 +69,7 @@ class Heartbeat(threading.Thread):
                 session,
                 name=self.worker,
                 hostname=socket.gethostname(),
+                address=self.address,
                 device=self.device,
                 device_count=self.count,
                 slots=self.slots,
@@ -50,9 +77,13 @@ class Heartbeat(threading.Thread):
             )
 
     def run(self) -> None:
+        first = True
         while True:
             try:
                 self.beat()
+                if first and self.on_first_beat is not None:
+                    self.on_first_beat()  # new capacity: place what waits for it
+                first = False
             except Exception:  # noqa: BLE001 - e.g. the database restarting; the next beat tries again
                 log.warning("heartbeat failed", exc_info=True)
             if self.stopped.wait(self.interval):

@@ -35,25 +35,40 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         log.error("torchrun (pid %s) did not exit after SIGKILL", proc.pid)
 
 
-def rank_processes(job_id: str) -> list[psutil.Process]:
-    """Processes serving `job_id`, found by the `--job-id` on their command line."""
+def _has(cmd: list[str], flag: str, value: str) -> bool:
+    return any(a == flag and b == value for a, b in zip(cmd, cmd[1:], strict=False))
+
+
+def rank_processes(job_id: str, *, node: str | None = None) -> list[psutil.Process]:
+    """Processes serving `job_id` (on worker node `node` only, if given), found by their command line."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info.get("cmdline") or []
-        if any(a == "--job-id" and b == job_id for a, b in zip(cmd, cmd[1:], strict=False)):
+        if _has(cmd, "--job-id", job_id) and (node is None or _has(cmd, "--on-node", node)):
             found.append(p)
     return found
 
 
-def sweep_ranks(job_id: str) -> int:
-    """SIGKILL any rank of `job_id` still alive and wait for it; returns how many there were.
+def sweep_ranks(job_id: str, *, node: str | None = None) -> int:
+    """SIGKILL any rank of `job_id` (of worker node `node`) still alive and wait for it; returns how many.
 
     torchrun starts each rank in a session of its own, so killing torchrun's group does not
-    reach a rank whose torchrun died first; the job id on every rank's command line does.
+    reach a rank whose torchrun died first; the job id on every rank's command line does. Several
+    nodes of one job may share a host, so a node sweeps only what carries its own `--node`.
     """
-    procs = rank_processes(job_id)
+    procs = rank_processes(job_id, node=node)
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     psutil.wait_procs(procs, timeout=10)
     return len(procs)
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this host, None if none does."""
+    if not address:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None

@@ -1,10 +1,10 @@
-"""Every worker's housekeeping loop: lost publishes, lost workers, expired history.
+"""Every worker's housekeeping loop: lost node starts, lost workers, expired history.
 
-- Republish queued jobs that nobody claimed: the API commits the job row before publishing; if the
-  broker was down, or the API died between commit and publish, the row is there but no message is.
-  Duplicates are harmless because a claim is a conditional UPDATE.
-- Take running jobs away from workers that stopped beating (the attempt lease) and restart or fail
-  them, fenced by the attempt's claim token.
+- Send again the start of a placed node that its worker never started: placement commits before it
+  sends; if the broker was down, or the sender died in between, the row is there but no message is.
+  Duplicates are harmless because a node starts only through a conditional UPDATE.
+- Take running jobs away when any of their nodes' workers stopped beating (the attempt lease) and
+  restart or fail them, fenced by the attempt's claim token.
 - Delete the log lines and metric points of jobs finished longer ago than the retention.
 """
 
@@ -21,9 +21,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobStatus
 from service.config import Settings
 from service.dispatch import Dispatcher
-from service.jobs import quota, repository
+from service.jobs import repository
 from service.models.base import utcnow
-from service.workers import repository as workers_repository
+from service.scheduling import repository as scheduling
+from service.scheduling.service import republish_unstarted
 from workers.attempts import Attempt, end_abnormally
 from workers.procs import sweep_ranks
 from workers.runner import ACTIVE
@@ -34,100 +35,53 @@ log = logging.getLogger(__name__)
 PURGE_EVERY_SECONDS = 600.0
 
 
-def republish_stale(
-    *, sessions: sessionmaker[Session], dispatcher: Dispatcher, after_seconds: float, limit: int = 100
-) -> list[str]:
-    """Publish again every job queued and untouched for `after_seconds`; returns their ids."""
-    with sessions.begin() as session:
-        stale = repository.stale_queued(
-            session, older_than=utcnow() - timedelta(seconds=after_seconds), limit=limit
-        )
-    sent = []
-    for job_id, device in stale:
-        try:
-            dispatcher.send(job_id, device=device)
-            sent.append(job_id)
-        except Exception:  # noqa: BLE001 - the broker is still down: the next round tries again
-            log.warning("republishing job %s failed", job_id, exc_info=True)
-    if sent:
-        log.info("republished %d queued jobs nobody had claimed: %s", len(sent), sent)
-    return sent
-
-
-def republish_deferred(
-    *, sessions: sessionmaker[Session], dispatcher: Dispatcher, max_running: int, owner_id: int | None = None
-) -> list[str]:
-    """Publish the oldest jobs that the running-jobs limit deferred, as far as their owners have room.
-
-    The runner calls this for the owner of a job that just ended; every reconciler round calls it
-    for all owners, in case a worker died before it could.
-    """
-    with sessions.begin() as session:
-        due = quota.take_deferred(session, max_running=max_running, owner_id=owner_id)
-    sent = []
-    for job_id, device in due:
-        try:
-            dispatcher.send(job_id, device=device)
-            sent.append(job_id)
-        except Exception:  # noqa: BLE001 - mark it again so the next round retries
-            log.warning("republishing deferred job %s failed", job_id, exc_info=True)
-            with sessions.begin() as session:
-                quota.defer(session, job_id=job_id)
-    if sent:
-        log.info("published %d jobs deferred by the running-jobs limit: %s", len(sent), sent)
-    return sent
-
-
 def recover_lost(
     *,
     sessions: sessionmaker[Session],
-    settings: Settings,
-    dispatcher: Dispatcher,
     lease_seconds: float,
     me: str | None = None,
-    running_here: set[str] | frozenset[str] = frozenset(),
+    running_here: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset(),
 ) -> list[str]:
-    """End every running attempt whose worker lost its lease; returns the ids of those jobs.
+    """End every running attempt one of whose nodes' workers lost its lease; returns those jobs' ids.
 
-    A worker holds a job's lease while its heartbeat is younger than `lease_seconds`. A lost
+    A worker holds its nodes' leases while its heartbeat is younger than `lease_seconds`. A lost
     attempt is ended with a conditional update on its claim token, so a worker that comes back
-    finds itself fenced out (its reporter stops its ranks and writes nothing more). A job held by
-    this worker (`me`) but not in `running_here` is lost too: its attempt ended without recording
-    its end state (the database was down for longer than the runner retries).
+    finds itself fenced out (its reporter stops its ranks and writes nothing more), and so do the
+    attempt's other nodes. A started node on this worker (`me`) whose (job, attempt) is not in `running_here`
+    is lost too: its run ended without recording its end (the database was down for longer than
+    the runner retries).
     """
     now = utcnow()
     cutoff = now - timedelta(seconds=lease_seconds)
     with sessions() as session:
-        leases = workers_repository.leased_jobs(session)
-    lost = []
-    for job_id, worker, token, attempt, max_restarts, spec, started, beat in leases:
+        leases = scheduling.leases(session)
+    lost: dict[str, tuple[Attempt, str, str]] = {}
+    for job_id, token, attempt, max_restarts, spec, worker, placed, started, beat in leases:
+        if job_id in lost:
+            continue
         if me is not None and worker == me:
-            if job_id in running_here:
+            if (job_id, attempt) in running_here or started is None:
                 continue
-            why = f"worker {worker} lost: its attempt ended without recording an end state"
+            why = f"worker {worker} lost: its node of the attempt ended without recording an end state"
         elif beat is not None:
             if beat >= cutoff:
                 continue
             why = f"worker {worker} lost: no heartbeat for {(now - beat).total_seconds():.0f} s"
-        elif started is not None and started < cutoff:
+        elif placed < cutoff:
             why = f"worker {worker} lost: it is no longer registered"
         else:
-            continue  # just claimed by a worker whose first beat is not in yet
+            continue  # just placed on a worker whose first beat is not in yet
+        device = str(spec.get("resources", {}).get("device", "cpu"))
+        att = Attempt(job_id=job_id, number=attempt, token=token, max_restarts=max_restarts, device=device)
+        lost[job_id] = (att, worker, why)
+    for job_id, (att, worker, why) in lost.items():
         # Ranks the dead worker left on this host must not keep writing checkpoints; on other hosts
         # the next attempt's runner sweeps them before it starts.
-        sweep_ranks(job_id)
-        att = Attempt(
-            job_id=job_id,
-            number=attempt,
-            token=token,
-            max_restarts=max_restarts,
-            device=str(spec.get("resources", {}).get("device", "cpu")),
-        )
+        sweep_ranks(job_id, node=worker)
         error = {"type": "WorkerLost", "message": why, "rank": None}
-        status = end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
+        status = end_abnormally(sessions, att=att, error=error)
         log.warning("job %s: %s; %s", job_id, why, "requeued" if status is JobStatus.QUEUED else "failed")
-        lost.append(job_id)
-    return lost
+    return list(lost)
 
 
 def purge_expired(*, sessions: sessionmaker[Session], retention_days: float) -> int:
@@ -147,7 +101,7 @@ def purge_expired(*, sessions: sessionmaker[Session], retention_days: float) -> 
 
 
 class Reconciler(threading.Thread):
-    """Runs republish_stale every `interval` seconds until stopped."""
+    """Runs its parts every `interval` seconds until stopped; `on_freed` is called when it freed nodes."""
 
     def __init__(
         self,
@@ -156,12 +110,13 @@ class Reconciler(threading.Thread):
         dispatcher: Dispatcher,
         settings: Settings,
         me: str | None = None,
+        on_freed: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="dptrain-reconciler", daemon=True)
-        self.me = me  # this worker's name, as claims record it
+        self.me = me  # this worker's node name, as placement records it
         self.sessions, self.dispatcher, self.settings = sessions, dispatcher, settings
+        self.on_freed = on_freed
         self.interval = settings.reconcile_interval_seconds
-        self.max_running = settings.max_running_jobs_per_user
         self.stopped = threading.Event()
         self._last_purge = -PURGE_EVERY_SECONDS
         # Since when every round reached the database (a fresh worker also waits a lease first).
@@ -172,28 +127,15 @@ class Reconciler(threading.Thread):
         s = self.settings
         now = time.monotonic()
         parts: list[Callable[[], object]] = [
-            lambda: republish_stale(
+            lambda: republish_unstarted(
                 sessions=self.sessions, dispatcher=self.dispatcher, after_seconds=s.republish_after_seconds
-            ),
-            # For every owner, in case a worker died before releasing what the running-jobs limit deferred.
-            lambda: republish_deferred(
-                sessions=self.sessions, dispatcher=self.dispatcher, max_running=self.max_running
             ),
         ]
         # After a database outage every worker's heartbeat is stale at once, though they are alive:
         # take leases only once the database has answered us for a whole lease (by then every live
         # worker has beaten again).
         if self._db_ok_since is not None and now - self._db_ok_since >= s.worker_lease_seconds:
-            parts.append(
-                lambda: recover_lost(
-                    sessions=self.sessions,
-                    settings=s,
-                    dispatcher=self.dispatcher,
-                    lease_seconds=s.worker_lease_seconds,
-                    me=self.me,
-                    running_here=frozenset(ACTIVE),
-                )
-            )
+            parts.append(self._recover)
         if now - self._last_purge > PURGE_EVERY_SECONDS:
             self._last_purge = now
             parts.append(
@@ -208,6 +150,16 @@ class Reconciler(threading.Thread):
                 return
         if self._db_ok_since is None:
             self._db_ok_since = now
+
+    def _recover(self) -> None:
+        lost = recover_lost(
+            sessions=self.sessions,
+            lease_seconds=self.settings.worker_lease_seconds,
+            me=self.me,
+            running_here=frozenset(ACTIVE),
+        )
+        if lost and self.on_freed is not None:
+            self.on_freed()  # their nodes are free and restarts are queued: place them now
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):

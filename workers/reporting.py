@@ -33,6 +33,8 @@ class RunState:
     step: int = 0
     latest_metrics: dict[str, float] = field(default_factory=dict)
     finished: bool = False
+    # A rank started training (so the rendezvous, if any, completed).
+    started: bool = False
     errors: list[dict[str, Any]] = field(default_factory=list)
     cancel_requested: bool = False
     fenced_out: bool = False
@@ -100,6 +102,7 @@ class Reporter:
             self.state.step = max(self.state.step, step)
             self._progress_dirty = True
         elif kind == "started":
+            self.state.started = True
             self.state.step = max(self.state.step, int(event.get("start_iter", 0)))
             self._progress_dirty = True
         elif kind == "checkpoint":

@@ -1,4 +1,9 @@
-"""One attempt of a job: claim it, launch its ranks with torchrun, report, record the end state."""
+"""One node of an attempt of a job: accept its placement, launch its ranks with torchrun, report, end it.
+
+A multi-node attempt runs this on each of its nodes: torchrun's c10d rendezvous, hosted by node 0,
+gathers them before any rank trains. Whichever node's ranks end the attempt records it (fenced by
+the claim token); the other nodes see the job leave `running` at their next report and stop.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,9 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,34 +23,41 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobStatus
 from service.config import Settings
 from service.db import session_factory
-from service.dispatch import Dispatcher
-from service.jobs import lifecycle
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
-from workers.attempts import Attempt, end_abnormally, finish, release_deferred
-from workers.engine.launch import SUPERVISOR_ENV, supervisor_id, torchrun_command
-from workers.procs import kill_group, stop_group, sweep_ranks
+from service.scheduling import repository as placement
+from workers.attempts import Attempt, end_abnormally, finish
+from workers.engine.launch import SUPERVISOR_ENV, Rendezvous, supervisor_id, torchrun_command
+from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.reporting import Reporter
 
 log = logging.getLogger(__name__)
 
 TRACEBACK_TAIL_LINES = 40
 FINAL_FLUSH_SECONDS = 300
-# Jobs this worker process is running an attempt of right now (the Celery pool's threads add and
-# remove them; the reconciler of the same process reads it).
-ACTIVE: set[str] = set()
+# (job, attempt) of the nodes this worker process runs right now (the Celery pool's threads add and
+# remove them; the reconciler of the same process reads it). Keyed by attempt too: the thread of an
+# ending attempt and the thread of the job's next attempt on this node may overlap.
+ACTIVE: set[tuple[str, int]] = set()
+# Called when a node's run ends (slots are free again): the worker's placement thread sets it.
+on_release: list[Callable[[], None]] = []
 
 
 @dataclass(frozen=True)
 class RunPaths:
-    """Where an attempt keeps its files: checkpoints are per job, so a restart can resume from them."""
+    """Where a node of an attempt keeps its files: checkpoints are per job, so a restart resumes from them.
+
+    Multi-node jobs need the artifact root on storage every node shares (docs/cluster.md): rank 0
+    writes the checkpoints and every rank reads them when it resumes.
+    """
 
     job_dir: Path
     attempt: int
+    node_rank: int = 0
 
     @property
     def run_dir(self) -> Path:
-        return self.job_dir / f"attempt-{self.attempt}"
+        return self.job_dir / f"attempt-{self.attempt}" / f"node-{self.node_rank}"
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -65,69 +77,114 @@ class RunPaths:
         return self.run_dir / "torchrun.pid"
 
 
-def worker_name() -> str:
-    """This worker's name as recorded on the jobs it claims."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+@dataclass(frozen=True)
+class NodeRun:
+    """What one node of an attempt needs to launch its ranks."""
+
+    att: Attempt
+    node_rank: int
+    nnodes: int
+    spec: dict[str, Any]
+    rendezvous: Rendezvous | None
+    address: str
+
+    @property
+    def is_primary(self) -> bool:
+        """Node 0 syncs checkpoint rows before a restart (one node writes them, not all)."""
+        return self.node_rank == 0
 
 
-def run_attempt(*, job_id: str, settings: Settings, dispatcher: Dispatcher | None = None) -> JobStatus | None:
-    """Run one attempt of `job_id` to its end; None if the job was not claimable (duplicate delivery).
+def run_node(*, job_id: str, attempt: int, node_rank: int, settings: Settings) -> JobStatus | None:
+    """Run node `node_rank` of `attempt` of a job to its end; None if the message was stale or a duplicate.
 
-    Returns QUEUED when the attempt ended abnormally and the job was requeued for a restart
-    (republished through `dispatcher`, by default the Celery queue of the job's device).
+    Returns QUEUED when the attempt ended abnormally and the job was requeued for a restart.
     """
-    # Registered before the claim commits, so this worker's reconciler never sees the job claimed
-    # by us and not running here unless its attempt really ended without recording its end state.
-    ACTIVE.add(job_id)
+    # Registered before the acceptance commits, so this worker's reconciler never sees a node of the
+    # job started here and not running unless its run really ended without recording its end.
+    ACTIVE.add((job_id, attempt))
     try:
-        return _run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher)
+        return _run_node(job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings)
     finally:
-        ACTIVE.discard(job_id)
+        ACTIVE.discard((job_id, attempt))
+        for callback in on_release:
+            callback()
 
 
-def _run_attempt(*, job_id: str, settings: Settings, dispatcher: Dispatcher | None) -> JobStatus | None:
-    sessions = session_factory(settings)
+def _accept(
+    sessions: sessionmaker[Session], *, job_id: str, attempt: int, node_rank: int, settings: Settings
+) -> NodeRun | None:
     with sessions.begin() as session:
-        limit = settings.max_running_jobs_per_user
-        job = lifecycle.claim(session, job_id=job_id, worker=worker_name(), max_running_per_user=limit)
-        if job is None:
-            log.info("job %s not claimable: a duplicate, cancelled, or its owner is at the limit", job_id)
+        me = settings.node
+        if not placement.accept(
+            session, job_id=job_id, attempt=attempt, node_rank=node_rank, worker=me, now=utcnow()
+        ):
             return None
-        spec, owner = dict(job.spec), job.owner_id
+        job = jobs_repository.get(session, job_id=job_id)
+        if job is None or job.status != JobStatus.RUNNING.value or job.attempt != attempt:
+            return None
+        nodes = placement.nodes_of(session, job_id=job_id)
+        spec = dict(job.spec)
         att = Attempt(
             job_id=job_id,
-            number=job.attempt,
+            number=attempt,
             token=str(job.claim_token),
             max_restarts=job.max_restarts,
             device=str(spec.get("resources", {}).get("device", "cpu")),
         )
-    paths = RunPaths(settings.artifacts / "jobs" / job_id, att.number)
-    try:
-        return _supervise(
-            sessions=sessions, settings=settings, att=att, spec=spec, paths=paths, dispatcher=dispatcher
+        nnodes = int(spec["resources"].get("nodes", 1))
+        rendezvous = None
+        if nnodes > 1:
+            host = next(n for n in nodes if n.node_rank == 0)
+            rendezvous = Rendezvous(
+                endpoint=f"{host.address}:{host.port}",
+                run_id=f"{job_id}-{attempt}",
+                is_host=node_rank == 0,
+                timeout_seconds=settings.rendezvous_timeout_seconds,
+            )
+        mine = next(n for n in nodes if n.node_rank == node_rank)
+        return NodeRun(
+            att=att,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            spec=spec,
+            rendezvous=rendezvous,
+            address=mine.address,
         )
+
+
+def _run_node(*, job_id: str, attempt: int, node_rank: int, settings: Settings) -> JobStatus | None:
+    sessions = session_factory(settings)
+    run = _accept(sessions, job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings)
+    if run is None:
+        log.info(
+            "job %s attempt %d node %d: not ours to start (stale or duplicate)", job_id, attempt, node_rank
+        )
+        return None
+    paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
+    try:
+        return _supervise(sessions=sessions, settings=settings, run=run, paths=paths)
     except Exception as exc:
         log.exception("job %s: the launcher itself failed", job_id)
         error = {"type": "LauncherError", "message": f"{type(exc).__name__}: {exc}", "rank": None}
-        return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
+        return end_abnormally(sessions, att=run.att, error=error)
     finally:
-        # The owner has one running job fewer: what the running-jobs limit held back may start now.
-        release_deferred(sessions=sessions, settings=settings, owner_id=owner)
+        # This node's ranks are gone: its slots are free for placement even if the others still run.
+        try:
+            with sessions.begin() as session:
+                placement.release_node(session, job_id=job_id, attempt=attempt, worker=settings.node)
+        except Exception:  # noqa: BLE001 - the attempt's end (or the reconciler) frees it anyway
+            log.warning("job %s: releasing this node failed", job_id, exc_info=True)
 
 
 def _supervise(
-    *,
-    sessions: sessionmaker[Session],
-    settings: Settings,
-    att: Attempt,
-    spec: dict[str, Any],
-    paths: RunPaths,
-    dispatcher: Dispatcher | None,
+    *, sessions: sessionmaker[Session], settings: Settings, run: NodeRun, paths: RunPaths
 ) -> JobStatus:
+    att, spec = run.att, run.spec
     job_id, token = att.job_id, att.token
-    # Ranks of an earlier attempt of this job whose worker died (torchrun runs in a session of its
-    # own, so a SIGKILLed worker leaves them running) must not write checkpoints beside ours.
-    if left := sweep_ranks(job_id):
+    # Ranks of an earlier attempt of this job on this node whose worker died (torchrun runs in a
+    # session of its own, so a SIGKILLed worker leaves them running) must not write checkpoints
+    # beside ours. Only this node's: other nodes of the job may share this host (tests, small setups).
+    if left := sweep_ranks(job_id, node=settings.node):
         log.warning("job %s: killed %d processes of an earlier attempt", job_id, left)
     for sub in ("logs", "events"):
         (paths.run_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -135,20 +192,28 @@ def _supervise(
     if missing := _missing_checkpoints(sessions, job_id=job_id, directory=paths.checkpoint_dir):
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
         error = {"type": "CheckpointMissing", "message": missing, "rank": None}
-        return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
-    if att.number > 1:
+        return end_abnormally(sessions, att=att, error=error)
+    if att.number > 1 and run.is_primary:
         _sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
     paths.spec_path.write_text(json.dumps(spec, indent=2))
     cmd = torchrun_command(
         job_id=job_id,
+        node=settings.node,
         nproc=int(spec["resources"]["processes_per_node"]),
         spec_path=str(paths.spec_path),
         run_dir=str(paths.run_dir),
         checkpoint_dir=str(paths.checkpoint_dir),
+        nnodes=run.nnodes,
+        rendezvous=run.rendezvous,
+        local_addr=run.address or None,
     )
     # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
     # rank free to use every core.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: supervisor_id()}
+    if run.rendezvous is not None and (ifname := interface_of(run.address)):
+        # Gloo and NCCL pick their interface from the host name, which may resolve to loopback (or to
+        # another network): the one holding this node's address is the one its peers reach.
+        env |= {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
     reporter = Reporter(
         sessions=sessions, job_id=job_id, attempt=paths.attempt, claim_token=token, run_dir=paths.run_dir
     )
@@ -180,7 +245,7 @@ def _supervise(
                     stop_group(proc, grace=settings.cancel_grace_seconds)
     finally:
         kill_group(proc)
-        if left := sweep_ranks(job_id):
+        if left := sweep_ranks(job_id, node=settings.node):
             log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
     reporter.collect(final=True)
     # The last reports matter (final metrics, the last checkpoint): ride out a database restart,
@@ -193,14 +258,12 @@ def _supervise(
         time.sleep(min(5.0, settings.report_interval_seconds * 4))
     return _record_outcome(
         sessions,
-        settings=settings,
         reporter=reporter,
-        att=att,
+        run=run,
         rc=proc.returncode,
         stopped_for=stopped_for,
         paths=paths,
         max_runtime=max_runtime,
-        dispatcher=dispatcher,
     )
 
 
@@ -251,18 +314,17 @@ def _sync_checkpoints(sessions: sessionmaker[Session], *, att: Attempt, director
 def _record_outcome(
     sessions: sessionmaker[Session],
     *,
-    settings: Settings,
     reporter: Reporter,
-    att: Attempt,
+    run: NodeRun,
     rc: int,
     stopped_for: str | None,
     paths: RunPaths,
     max_runtime: int | None,
-    dispatcher: Dispatcher | None,
 ) -> JobStatus:
+    att = run.att
     job_id, token = att.job_id, att.token
     if stopped_for == "fenced":
-        return JobStatus.RUNNING  # a newer attempt owns the job; record nothing
+        return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
     if stopped_for == "cancel" or (reporter.state.cancel_requested and rc != 0):
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.CANCELLED, reason="cancel requested")
         return JobStatus.CANCELLED
@@ -273,13 +335,25 @@ def _record_outcome(
     if rc == 0 and reporter.state.finished:
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
         return JobStatus.SUCCEEDED
-    error = reporter.root_error() or {
-        "type": "ProcessExited",
-        "message": f"rank processes exited with code {rc}" if rc else "ranks exited without finishing",
-        "rank": None,
-        "traceback": _tail(paths.launcher_log),
-    }
-    return end_abnormally(sessions, settings=settings, att=att, error=error, dispatcher=dispatcher)
+    if rc == 0 and run.nnodes > 1:
+        # Rank 0, whose node records the success, may run on another node: nothing to record here.
+        return JobStatus.RUNNING
+    error = reporter.root_error() or _launcher_error(
+        paths.launcher_log, rc=rc, started=reporter.state.started
+    )
+    return end_abnormally(sessions, att=att, error=error)
+
+
+def _launcher_error(log_path: Path, *, rc: int, started: bool) -> dict[str, Any]:
+    """The error of an attempt whose ranks reported none: torchrun's own failure, often the rendezvous."""
+    tail = _tail(log_path)
+    if not started and tail and "Rendezvous" in tail:
+        kind, message = "RendezvousFailed", "the nodes did not all join the rendezvous in time"
+    elif rc:
+        kind, message = "ProcessExited", f"rank processes exited with code {rc}"
+    else:
+        kind, message = "ProcessExited", "ranks exited without finishing"
+    return {"type": kind, "message": message, "rank": None, "traceback": tail}
 
 
 def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:

@@ -1,14 +1,15 @@
-"""The thin Celery task: a job id in, the run handed to the runner."""
+"""The thin Celery task: a placed node of a job in, the run handed to the runner."""
 
 from __future__ import annotations
 
 from service.config import get_settings
+from service.dispatch import RUN_NODE_TASK
 from workers.celery_app import app
-from workers.runner import run_attempt
+from workers.runner import run_node
 
 
-@app.task(name="dptrain.run_job")
-def run_job(job_id: str) -> str | None:
-    """Claim and run one attempt of a job; a duplicate delivery returns None and runs nothing."""
-    status = run_attempt(job_id=job_id, settings=get_settings())
+@app.task(name=RUN_NODE_TASK)
+def run_node_task(job_id: str, attempt: int, node_rank: int) -> str | None:
+    """Run this node's part of an attempt; a stale or duplicate delivery returns None and runs nothing."""
+    status = run_node(job_id=job_id, attempt=attempt, node_rank=node_rank, settings=get_settings())
     return status.value if status else None

@@ -24,7 +24,7 @@ from api_schemas import (
     Timeline,
     spec_errors,
 )
-from service.deps import CurrentUser, DispatcherDep, SessionDep, SettingsDep, after_commit
+from service.deps import CurrentUser, SchedulerDep, SessionDep, SettingsDep, after_commit
 from service.errors import (
     Conflict,
     NotFound,
@@ -54,7 +54,7 @@ def submit_job(
     response: Response,
     session: SessionDep,
     user: CurrentUser,
-    dispatcher: DispatcherDep,
+    scheduler: SchedulerDep,
     settings: SettingsDep,
     idempotency_key: Annotated[
         str | None,
@@ -67,7 +67,7 @@ def submit_job(
         ),
     ] = None,
 ) -> Job:
-    """Submit a job; it is queued and published to the workers once committed."""
+    """Submit a job; it is queued, and placement starts it on free nodes once committed."""
     errors = spec_errors(spec, allowed_entrypoints=settings.entrypoint_prefixes)
     if errors:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
@@ -76,7 +76,7 @@ def submit_job(
     else:
         job, created = service.submit_once(session, user=user, spec=spec, key=idempotency_key)
     if created:
-        after_commit(session, lambda: dispatcher.send(job.id, device=spec.resources.device))
+        after_commit(session, scheduler.kick)
     else:
         response.status_code = status.HTTP_200_OK
     return service.to_schema(job, owner=user.name)

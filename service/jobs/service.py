@@ -51,6 +51,7 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
         cancel_requested=job.cancel_requested,
         error=JobError.model_validate(job.error) if job.error else None,
         latest_metrics=job.latest_metrics or {},
+        queued_reason=job.queued_reason if job.status == JobStatus.QUEUED.value else None,
     )
 
 
@@ -80,7 +81,7 @@ def spec_hash(stored: dict[str, Any]) -> str:
 
 
 def submit(session: Session, *, user: User, spec: JobSpec) -> JobRow:
-    """Record a new queued job (the caller publishes it once the transaction has committed)."""
+    """Record a new queued job (the caller kicks placement once the transaction has committed)."""
     job, _ = _insert(session, values=_row_values(user=user, spec=spec))
     assert job is not None
     return job
@@ -173,7 +174,7 @@ def cancel(session: Session, *, user: User, job_id: str) -> JobRow:
         )
         if done is not None:
             return done
-        # A worker claimed it in between: fall through and ask that worker to stop.
+        # Placement started it in between: fall through and ask its nodes to stop.
     repository.request_cancel(session, job_id=job_id)
     session.flush()
     session.refresh(job)

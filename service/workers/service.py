@@ -18,12 +18,12 @@ LOST_AFTER_BEATS = 3
 def list_workers(
     session: Session, *, user: User, heartbeat_seconds: float, now: datetime | None = None
 ) -> WorkerList:
-    """Every known worker with its free slots; non-admins see only their own jobs' ids."""
+    """Every known worker node with its free slots; non-admins see only their own jobs' ids."""
     now = now or utcnow()
     running: dict[str, list[str]] = {}
     busy: dict[str, int] = {}
-    for worker, job_id, owner_id in repository.running_jobs(session):
-        busy[worker] = busy.get(worker, 0) + 1
+    for worker, job_id, owner_id, slots in repository.placements(session):
+        busy[worker] = busy.get(worker, 0) + slots
         if user.is_admin or owner_id == user.id:
             running.setdefault(worker, []).append(job_id)
     items = []
@@ -33,6 +33,7 @@ def list_workers(
             Worker(
                 name=w.name,
                 hostname=w.hostname,
+                address=w.address,
                 device="cuda" if w.device == "cuda" else "cpu",
                 device_count=w.device_count,
                 slots=w.slots,

@@ -44,9 +44,17 @@ class Procs:
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.dead: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, args: list[str], env: Mapping[str, str], cwd: Path | None = None) -> None:
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        env: Mapping[str, str],
+        cwd: Path | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
+        """Start `dptrain ARGS` (behind `prefix`, e.g. `ip netns exec NS`, which execs it in place)."""
         log = (self.log_dir / f"{name}.log").open("ab")
-        cmd = [sys.executable, "-m", "dptrain_cli.main", *args]
+        cmd = [*(prefix or []), sys.executable, "-m", "dptrain_cli.main", *args]
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd or ROOT, start_new_session=True
         )

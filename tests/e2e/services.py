@@ -33,7 +33,9 @@ def _pg_bin(name: str) -> str:
 class PrivatePostgres:
     """A throwaway cluster on a free port in a temp dir; `stop()`/`start()` restart it with its data."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, listen: tuple[str, ...] = ("127.0.0.1",), trust: str | None = None) -> None:
+        """`listen`: its addresses; `trust`: a further network (CIDR) allowed in without a password."""
+        self.listen = listen
         # Not under pytest's tmp_path: its parents are private to root, and initdb refuses to run as
         # root, so the cluster belongs to the `postgres` user when the tests run as root.
         self.dir = Path(tempfile.mkdtemp(prefix="dptrain-pg-"))
@@ -45,6 +47,9 @@ class PrivatePostgres:
             shutil.chown(self.dir, "postgres")
             self._as = ["runuser", "-u", "postgres", "--"]
         self._run(_pg_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync")
+        if trust is not None:
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {trust} trust\n")
 
     def _run(self, *cmd: str) -> None:
         proc = subprocess.run([*self._as, *cmd], capture_output=True, text=True, timeout=120)
@@ -59,10 +64,9 @@ class PrivatePostgres:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
 
     def start(self) -> None:
-        opts = (
-            f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.dir}"
-            " -c fsync=off"
-        )
+        listen = ",".join(self.listen)
+        opts = f"-c listen_addresses={listen} -c port={self.port} -c unix_socket_directories={self.dir}"
+        opts += " -c fsync=off"
         self._run(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w", "start")
 
     def stop(self) -> None:
@@ -89,7 +93,8 @@ class PrivatePostgres:
 class PrivateRedis:
     """`redis-server` without persistence on a free port, as a child process."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, *, bind: tuple[str, ...] = ("127.0.0.1",)) -> None:
+        self.bind = bind
         self.port = free_port()
         self.log = log_dir / f"redis-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -100,7 +105,8 @@ class PrivateRedis:
 
     def start(self) -> None:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        cmd = [binary, "--port", str(self.port), "--bind", *self.bind, "--save", "", "--appendonly", "no"]
+        cmd += ["--protected-mode", "no"]  # other addresses than loopback: the test's own network
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20

@@ -23,8 +23,8 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)
 
     def start_worker(self, name: str) -> None:
-        """Start another `dptrain worker` on the same database, broker and queue."""
-        self.procs.start(name, ["worker", "--device", "cpu"], self.env)
+        """Start another `dptrain worker` node, named `name`, on the same database and broker."""
+        self.procs.start(name, ["worker", "--device", "cpu", "--node-name", name], self.env)
 
 
 @contextmanager
@@ -48,6 +48,7 @@ def running_stack(
         DPTRAIN_BOOTSTRAP_TOKEN=ADMIN_TOKEN,
         DPTRAIN_REPORT_INTERVAL_SECONDS="0.2",
         # Short, so the lost-publish test does not wait ten minutes.
+        DPTRAIN_SCHEDULE_INTERVAL_SECONDS="0.5",
         DPTRAIN_REPUBLISH_AFTER_SECONDS="3",
         DPTRAIN_RECONCILE_INTERVAL_SECONDS="1",
         **extra_env,
@@ -55,7 +56,7 @@ def running_stack(
     procs = Procs(tmp)
     port = free_port()
     procs.start("api", ["api", "--port", str(port)], env)
-    procs.start("worker", ["worker", "--device", "cpu"], env)
+    procs.start("worker", ["worker", "--device", "cpu", "--node-name", "worker"], env)
     base = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
     try:

@@ -21,7 +21,7 @@ from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, repository
 from service.models.base import utcnow
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher
+from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
 from tests.conftest import create_database, drop_database
 from tests.jobs.test_router import SPEC
 
@@ -45,7 +45,7 @@ def live(tmp_path: Path) -> Iterator[tuple[httpx.Client, sessionmaker[Session]]]
     )
     port = _free_port()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, dispatcher=RecordingDispatcher()), port=port, log_level="warning")
+        uvicorn.Config(create_app(settings, scheduler=RecordingScheduler()), port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -105,7 +105,7 @@ def test_timeline_lists_status_changes_in_order(client: TestClient, sessions: se
     got = [(t["from_status"], t["to_status"], t["attempt"]) for t in items]
     expected = [(None, "queued", 0), ("queued", "running", 1), ("running", "succeeded", 1)]
     assert got == expected, f"expected {expected}, got {got}"
-    assert items[1]["reason"] == "claimed by host:1"
+    assert items[1]["reason"] == "placed on host:1"
     assert client.get("/v1/jobs/nope/timeline").status_code == 404
 
 

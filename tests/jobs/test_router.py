@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric
-from tests.api_fixtures import RecordingDispatcher
+from tests.api_fixtures import RecordingScheduler
 
 SPEC: dict[str, Any] = {
     "name": "mlp-smoke",
@@ -29,8 +29,8 @@ def _submit(client: TestClient, **over: Any) -> dict[str, Any]:
 
 
 class TestSubmit:
-    def test_submit_stores_a_queued_job_and_publishes_it_after_commit(
-        self, client: TestClient, dispatcher: RecordingDispatcher, db: Session
+    def test_submit_stores_a_queued_job_and_kicks_placement_after_commit(
+        self, client: TestClient, scheduler: RecordingScheduler, db: Session
     ) -> None:
         job = _submit(client)
         assert job["status"] == "queued"
@@ -39,7 +39,7 @@ class TestSubmit:
         assert job["attempt"] == 0 and job["error"] is None
         assert job["spec"]["hyperparameters"]["hidden_size"] == 16, "recipe extras are kept"
         assert job["spec"]["engine"]["bucket_cap_mb"] == 25.0, "defaults are filled in"
-        assert dispatcher.sent == [job["id"]] and dispatcher.devices == ["cpu"]
+        assert scheduler.kicks == 1, "placement is asked to look at the new job"
         row = db.get(Job, job["id"])
         assert row is not None and row.status == "queued"
         timeline = db.query(JobTransition).filter_by(job_id=job["id"]).all()

@@ -12,7 +12,7 @@ from migrations import upgrade
 from service.app import create_app
 from service.config import Settings
 from service.models import Metric
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher
+from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
 from tests.jobs.test_router import _submit
 
 
@@ -26,7 +26,7 @@ def sqlite_client(tmp_path: Path) -> Iterator[TestClient]:
         sse_poll_seconds=0.01,
     )
     upgrade(settings.database_url)
-    app = create_app(settings, dispatcher=RecordingDispatcher())
+    app = create_app(settings, scheduler=RecordingScheduler())
     with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
         yield c
 
@@ -64,7 +64,9 @@ def test_workers_and_job_times_are_aware_utc_on_sqlite(sqlite_client: TestClient
     from workers.heartbeat import Heartbeat
 
     sessions = sqlite_client.app.state.session_factory  # type: ignore[attr-defined]
-    Heartbeat(sessions=sessions, name="host-b:7", device="cpu", slots=1, interval=5.0).beat()
+    Heartbeat(
+        sessions=sessions, name="host-b:7", address="10.0.0.9", device="cpu", slots=1, interval=5.0
+    ).beat()
     r = sqlite_client.get("/v1/workers")
     assert r.status_code == 200, f"expected the worker list on SQLite, got {r.status_code}: {r.text}"
     (w,) = r.json()["items"]

@@ -10,7 +10,7 @@ from service.app import create_app
 from service.config import Settings
 from service.db import session_factory
 from service.models import Metric
-from tests.api_fixtures import RecordingDispatcher
+from tests.api_fixtures import RecordingScheduler
 from tests.jobs.test_router import _submit
 from workers.heartbeat import Heartbeat
 
@@ -26,7 +26,9 @@ FAMILIES = {
 
 def test_metrics_has_every_family(client: TestClient, sessions: sessionmaker[Session], db: Session) -> None:
     job = _submit(client)
-    Heartbeat(sessions=sessions, name="host-m:1", device="cpu", slots=1, interval=5.0).beat()
+    Heartbeat(
+        sessions=sessions, name="host-m:1", address="10.0.0.9", device="cpu", slots=1, interval=5.0
+    ).beat()
     client.get(f"/v1/jobs/{job['id']}")
     assert client.get("/metrics", headers={"Authorization": ""}).status_code == 200, "no token needed"
     db.add_all([Metric(job_id=job["id"], attempt=1, name="loss", step=s, value=1.0) for s in range(5)])
@@ -55,7 +57,7 @@ def test_readyz_is_200_with_database_and_broker(client: TestClient) -> None:
 
 def test_readyz_is_503_naming_what_failed(settings: Settings, sessions: sessionmaker[Session]) -> None:
     closed = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
-    app = create_app(closed, dispatcher=RecordingDispatcher())
+    app = create_app(closed, scheduler=RecordingScheduler())
     app.state.session_factory = sessions
     with TestClient(app) as c:
         r = c.get("/readyz")

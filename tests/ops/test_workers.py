@@ -7,27 +7,32 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.jobs import lifecycle
+from service.config import Settings
 from service.models import Worker
 from service.models.base import utcnow
+from service.scheduling.service import schedule_once
+from tests.api_fixtures import RecordingDispatcher
 from tests.jobs.test_router import _submit
 from workers.heartbeat import Heartbeat
 
 
 def test_heartbeat_then_alive_then_lost(
-    client: TestClient, sessions: sessionmaker[Session], db: Session
+    client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
 ) -> None:
-    heartbeat = Heartbeat(sessions=sessions, name="host-a:42", device="cpu", slots=2, interval=5.0)
+    heartbeat = Heartbeat(
+        sessions=sessions, name="host-a:42", address="10.0.0.9", device="cpu", slots=2, interval=5.0
+    )
     heartbeat.beat()
     job = _submit(client)
-    with sessions.begin() as s:
-        assert lifecycle.claim(s, job_id=job["id"], worker="host-a:42") is not None
+    placed = schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings)
+    assert placed == [job["id"]], placed
 
     items = client.get("/v1/workers").json()["items"]
     assert [w["name"] for w in items] == ["host-a:42"], f"expected the one worker, got {items}"
     w = items[0]
     assert w["status"] == "alive", f"a fresh heartbeat is alive, got {w['status']}"
-    assert (w["device"], w["slots"], w["free_slots"]) == ("cpu", 2, 1), f"expected cpu, 2 slots, 1 free: {w}"
+    assert (w["device"], w["slots"], w["free_slots"]) == ("cpu", 2, 0), f"expected cpu, 2 slots, 0 free: {w}"
+    assert w["address"] == "10.0.0.9", w
     assert w["running_jobs"] == [job["id"]] and w["device_count"] >= 1, w
     assert 0 <= w["heartbeat_age_seconds"] < 60, w
 
@@ -43,7 +48,9 @@ def test_heartbeat_then_alive_then_lost(
 
 
 def test_a_stopped_heartbeat_removes_its_worker(sessions: sessionmaker[Session], db: Session) -> None:
-    heartbeat = Heartbeat(sessions=sessions, name="host-b:7", device="cpu", slots=1, interval=5.0)
+    heartbeat = Heartbeat(
+        sessions=sessions, name="host-b:7", address="10.0.0.9", device="cpu", slots=1, interval=5.0
+    )
     heartbeat.stopped.set()
     heartbeat.run()  # in this thread: one beat, then the stop is seen and the row removed
     db.expire_all()

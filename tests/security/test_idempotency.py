@@ -15,14 +15,14 @@ from service.app import create_app
 from service.config import Settings
 from service.db import session_factory
 from service.models import Job
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, add_user, as_user
+from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler, add_user, as_user
 from tests.conftest import create_database, drop_database
 from tests.jobs.test_router import SPEC
 
 
 class TestReplay:
     def test_the_same_key_and_spec_answer_200_with_the_same_job_published_once(
-        self, client: TestClient, dispatcher: RecordingDispatcher
+        self, client: TestClient, scheduler: RecordingScheduler
     ) -> None:
         first = client.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "k-1"})
         assert first.status_code == 201, f"expected 201 for a new key, got {first.status_code}: {first.text}"
@@ -31,7 +31,7 @@ class TestReplay:
         again = client.post("/v1/jobs", json=spelled, headers={"Idempotency-Key": "k-1"})
         assert again.status_code == 200, f"expected 200 for a replay, got {again.status_code}: {again.text}"
         assert again.json()["id"] == first.json()["id"], "a replay answers the original job"
-        assert dispatcher.sent == [first.json()["id"]], f"published once, got {dispatcher.sent}"
+        assert scheduler.kicks == 1, f"placement kicked once (for the new job), got {scheduler.kicks}"
 
     def test_the_same_key_with_another_spec_is_409_naming_the_key(self, client: TestClient) -> None:
         assert client.post("/v1/jobs", json=SPEC, headers={"Idempotency-Key": "k-2"}).status_code == 201
@@ -68,7 +68,7 @@ def committed_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[An
         artifact_root=tmp / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
     )
-    yield create_app(settings, dispatcher=RecordingDispatcher()), settings
+    yield create_app(settings, scheduler=RecordingScheduler()), settings
     drop_database(url)
 
 
@@ -97,4 +97,4 @@ def test_concurrent_retries_create_exactly_one_job(committed_app: tuple[Any, Set
     with session_factory(settings)() as session:
         count = session.execute(select(func.count()).where(Job.idempotency_key == "race")).scalar()
     assert count == 1, f"exactly one job row for the key, got {count}"
-    assert app.state.dispatcher.sent == [results[0][1]], f"published once: {app.state.dispatcher.sent}"
+    assert app.state.scheduler.kicks == 1, f"placement kicked once: {app.state.scheduler.kicks}"

@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.jobs import lifecycle
 from service.models import Checkpoint, LogLine, Metric
-from tests.api_fixtures import add_user, as_user
+from service.scheduling.service import schedule_once
+from tests.api_fixtures import RecordingDispatcher, add_user, as_user
 from tests.jobs.test_router import SPEC
 from workers.heartbeat import Heartbeat
 
@@ -100,12 +100,17 @@ class TestCrossOwner:
         assert expected <= ids, f"an admin sees every job: expected {expected} among {ids}"
 
     def test_workers_show_only_ones_own_running_jobs(
-        self, client: TestClient, two_users: dict[str, Any], db: Session, sessions: sessionmaker[Session]
+        self,
+        client: TestClient,
+        two_users: dict[str, Any],
+        sessions: sessionmaker[Session],
+        settings: Settings,
     ) -> None:
-        Heartbeat(sessions=sessions, name="w:1", device="cpu", slots=4, interval=5.0).beat()
-        for name in ("alice", "bob"):
-            assert lifecycle.claim(db, job_id=two_users["jobs"][name]["id"], worker="w:1") is not None
-        db.commit()
+        Heartbeat(
+            sessions=sessions, name="w:1", address="10.0.0.9", device="cpu", slots=4, interval=5.0
+        ).beat()
+        placed = schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings)
+        assert set(placed) >= {two_users["jobs"][n]["id"] for n in ("alice", "bob")}, placed
         for name in ("alice", "bob"):
             items = client.get("/v1/workers", headers=as_user(two_users["tokens"][name])).json()["items"]
             running = [j for w in items for j in w["running_jobs"]]

@@ -18,7 +18,7 @@ from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher
+from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
 from tests.conftest import create_database, drop_database
 
 # Per operation and phase; about 15 operations, so a few hundred requests in all.
@@ -41,7 +41,7 @@ def _settings(database_url: str, root: Path) -> Settings:
 # schemathesis runs, has nothing to do; the fixture adds the admin).
 app = create_app(
     _settings("postgresql+psycopg://unused@127.0.0.1/unused", Path("/nonexistent")),
-    dispatcher=RecordingDispatcher(),
+    scheduler=RecordingScheduler(),
 )
 # Left out: the event stream answers an endless text/event-stream for a job that exists (no body to
 # validate, and it would not end); the checkpoint download answers a binary file. Both are covered

@@ -13,9 +13,9 @@ from migrations import upgrade
 from service.app import create_app
 from service.config import Settings
 from service.jobs import lifecycle
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, as_user
+from service.scheduling.service import schedule_once
+from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, RecordingScheduler, as_user, register_node
 from tests.jobs.test_router import SPEC
-from workers.reconciler import republish_deferred
 
 
 @pytest.fixture
@@ -25,9 +25,10 @@ def sqlite_client(tmp_path: Path) -> Iterator[TestClient]:
         broker_url="memory://",
         artifact_root=tmp_path / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
+        max_running_jobs_per_user=1,
     )
     upgrade(settings.database_url)
-    app = create_app(settings, dispatcher=RecordingDispatcher())
+    app = create_app(settings, scheduler=RecordingScheduler())
     with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
         yield c
 
@@ -46,14 +47,16 @@ def test_users_idempotency_and_the_running_limit_on_sqlite(sqlite_client: TestCl
 
     second = c.post("/v1/jobs", json=SPEC, headers=mona).json()["id"]
     sessions = c.app.state.session_factory  # type: ignore[attr-defined]
-    claimed = []
-    for job_id in (first.json()["id"], second):
-        with sessions.begin() as s:
-            claimed.append(lifecycle.claim(s, job_id=job_id, worker="w", max_running_per_user=1) is not None)
-    assert claimed == [True, False], f"limit 1 on SQLite: expected [True, False], got {claimed}"
+    settings = c.app.state.settings  # type: ignore[attr-defined]
+    register_node(sessions, name="solo", slots=4)
+    sent = RecordingDispatcher()
+    placed = schedule_once(sessions=sessions, dispatcher=sent, settings=settings)
+    assert placed == [first.json()["id"]], f"limit 1 on SQLite: only the first runs, got {placed}"
+    waiting = c.get(f"/v1/jobs/{second}", headers=mona).json()
+    assert waiting["queued_reason"] == "waiting: its owner has 1 jobs running, the limit is 1", waiting
     c.delete("/v1/users/mona/tokens")
     assert c.get("/v1/users/me", headers=mona).status_code == 401, "revoked at once on SQLite"
     with sessions.begin() as s:
         lifecycle.transition(s, job_id=first.json()["id"], src=JobStatus.RUNNING, dst=JobStatus.FAILED)
-    sent = RecordingDispatcher()
-    assert republish_deferred(sessions=sessions, dispatcher=sent, max_running=1) == [second]
+    assert schedule_once(sessions=sessions, dispatcher=sent, settings=settings) == [second]
+    assert sent.sent == [first.json()["id"], second], "each placed job's node got its start"

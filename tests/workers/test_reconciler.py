@@ -1,4 +1,4 @@
-"""The reconciler: lost publishes are published again, lost workers' jobs restarted, old history purged."""
+"""The reconciler: lost workers' jobs restarted or failed (every node's lease counts), old history purged."""
 
 from __future__ import annotations
 
@@ -10,38 +10,39 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, Worker
+from service.models import Checkpoint, Job, JobNode, JobTransition, LogLine, Metric, Worker
 from service.models.base import utcnow
-from tests.api_fixtures import RecordingDispatcher
-from workers.reconciler import purge_expired, recover_lost, republish_stale
+from workers.reconciler import purge_expired, recover_lost
 from workers.reporting import Reporter
 
 SPEC = {"name": "r", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4, "steps": 1}}
 
 
-def test_only_stale_queued_jobs_are_republished_once_per_period(
-    client: TestClient, sessions: sessionmaker[Session], db: Session
-) -> None:
-    stale, fresh, running = (client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(3))
-    old = utcnow() - timedelta(minutes=20)
-    db.query(Job).filter(Job.id.in_([stale, running])).update({"updated_at": old})
-    db.query(Job).filter_by(id=running).update({"status": "running"})
-    db.commit()
-
-    again = RecordingDispatcher()
-    assert republish_stale(sessions=sessions, dispatcher=again, after_seconds=600) == [stale]
-    assert again.devices == ["cpu"]
-    assert republish_stale(sessions=sessions, dispatcher=again, after_seconds=600) == [], (
-        "a job just republished waits a full period before the next try"
+def _node(db: Session, job_id: str, *, rank: int, worker: str) -> None:
+    """A started node of attempt 1 of a job on `worker`."""
+    at = utcnow() - timedelta(minutes=5)
+    db.add(
+        JobNode(
+            job_id=job_id,
+            node_rank=rank,
+            attempt=1,
+            worker=worker,
+            slots=1,
+            address="10.0.0.1",
+            placed_at=at,
+            started_at=at,
+        )
     )
-    assert fresh not in again.sent and running not in again.sent
 
 
 class TestLostWorkers:
     """A running job whose worker stopped beating is taken from it, fenced, and restarted or failed."""
 
-    def _running(self, db: Session, job_id: str, *, worker: str, max_restarts: int) -> str:
+    def _running(self, db: Session, job_id: str, *, worker: str, max_restarts: int, also: str = "") -> str:
+        """Make a job run attempt 1 on `worker` (and on `also` as node 1), as placement would."""
         token = uuid.uuid4().hex
+        for rank, node in enumerate(n for n in (worker, also) if n):
+            _node(db, job_id, rank=rank, worker=node)
         db.query(Job).filter_by(id=job_id).update(
             {
                 "status": "running",
@@ -94,10 +95,8 @@ class TestLostWorkers:
             db.add(row)
         db.commit()
 
-        again = RecordingDispatcher()
-        lost = recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60)
+        lost = recover_lost(sessions=sessions, lease_seconds=60)
         assert sorted(lost) == sorted([requeued, failed, vanished]), lost
-        assert sorted(again.sent) == sorted([requeued, vanished]), "requeued jobs are published again"
         db.expire_all()
         states = {j: db.get(Job, j).status for j in (requeued, failed, healthy, vanished)}  # type: ignore[union-attr]
         assert states == {requeued: "queued", failed: "failed", healthy: "running", vanished: "queued"}, (
@@ -119,7 +118,22 @@ class TestLostWorkers:
             sessions=sessions, job_id=requeued, attempt=1, claim_token=old_token, run_dir=tmp_path
         )
         assert stale.flush() and stale.state.fenced_out
-        assert recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60) == []
+        assert recover_lost(sessions=sessions, lease_seconds=60) == []
+
+    def test_one_lost_node_ends_the_attempt_on_every_node_and_frees_them(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session
+    ) -> None:
+        job_id = client.post("/v1/jobs", json=SPEC).json()["id"]
+        self._beat(db, "alive:1", age=timedelta(seconds=1))
+        self._beat(db, "dead:2", age=timedelta(minutes=2))
+        self._running(db, job_id, worker="alive:1", also="dead:2", max_restarts=1)
+        db.commit()
+        assert recover_lost(sessions=sessions, lease_seconds=60) == [job_id]
+        db.expire_all()
+        job = db.get(Job, job_id)
+        assert job is not None and job.status == "queued" and job.claim_token is None
+        assert "worker dead:2 lost" in (job.error or {}).get("message", ""), job.error
+        assert db.query(JobNode).filter_by(job_id=job_id).count() == 0, "both nodes are free again"
 
     def test_a_job_this_worker_claimed_but_no_longer_runs_is_lost(
         self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
@@ -132,11 +146,9 @@ class TestLostWorkers:
         db.commit()
         lost = recover_lost(
             sessions=sessions,
-            settings=settings,
-            dispatcher=RecordingDispatcher(),
             lease_seconds=60,
             me="me:1",
-            running_here={running},
+            running_here={(running, 1)},
         )
         assert lost == [orphan], f"only the job this worker no longer runs is lost, got {lost}"
 
@@ -187,11 +199,11 @@ def test_lost_leases_are_found_on_sqlite_too(tmp_path: Path) -> None:
         job_id = service.submit(s, user=admin, spec=JobSpec.model_validate(SPEC)).id
         s.add(Worker(name="w:1", hostname="h", device="cpu", device_count=1, slots=1, last_heartbeat=ago))
     with sessions.begin() as s:
+        _node(s, job_id, rank=0, worker="w:1")
         s.query(Job).filter_by(id=job_id).update(
             {"status": "running", "attempt": 1, "claim_token": "t" * 32, "worker": "w:1", "started_at": ago}
         )
-    again = RecordingDispatcher()
-    assert recover_lost(sessions=sessions, settings=settings, dispatcher=again, lease_seconds=60) == [job_id]
+    assert recover_lost(sessions=sessions, lease_seconds=60) == [job_id]
     with sessions() as s:
         job = s.get(Job, job_id)
         assert job is not None and job.status == "failed", "max_restarts 0: a lost worker fails the job"

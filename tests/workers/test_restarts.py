@@ -20,11 +20,11 @@ from service.config import Settings
 from service.db import session_factory
 from service.jobs import service
 from service.models import Checkpoint, Job, JobTransition
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher
+from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import create_database, drop_database
 from tests.engine.test_resume import _assert_equal
+from tests.workers.runs import run_attempt
 from workers.procs import rank_processes
-from workers.runner import run_attempt
 
 STEPS = 24
 
@@ -96,11 +96,8 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     assert run_attempt(job_id=reference, settings=settings) is JobStatus.SUCCEEDED
 
     job_id = _submit(sessions, max_restarts=1)
-    dispatcher = RecordingDispatcher()
     out: list[Any] = []
-    thread = threading.Thread(
-        target=lambda: out.append(run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher))
-    )
+    thread = threading.Thread(target=lambda: out.append(run_attempt(job_id=job_id, settings=settings)))
     thread.start()
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -114,9 +111,11 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     os.kill(_rank_pid(job_id, 1), signal.SIGKILL)
     thread.join(timeout=60)
     assert out == [JobStatus.QUEUED], f"expected the attempt to end requeued, got {out}"
-    assert dispatcher.sent == [job_id], "the restart is published again"
+    assert _job(sessions, job_id).queued_reason == "restarting: waiting for placement", (
+        "placement restarts it"
+    )
     assert rank_processes(job_id) == [], "no rank of the killed attempt may survive"
-    pid_file = settings.artifacts / "jobs" / job_id / "attempt-1" / "torchrun.pid"
+    pid_file = settings.artifacts / "jobs" / job_id / "attempt-1" / "node-0" / "torchrun.pid"
     assert pid_file.read_text().strip().isdigit(), "each attempt names its process group for operators"
     job = _job(sessions, job_id)
     assert job.status == "queued" and job.claim_token is None and job.error is not None
@@ -128,7 +127,9 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     assert states == ["queued", "running", "queued", "running", "succeeded"], states
     restart_reason = _timeline(sessions, job_id)[2][1] or ""
     assert "restarting after attempt 1 of 2" in restart_reason, restart_reason
-    started = (settings.artifacts / "jobs" / job_id / "attempt-2" / "events" / "rank0.jsonl").read_text()
+    started = (
+        settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
+    ).read_text()
     assert '"start_iter": 0' not in started, f"attempt 2 must resume from a checkpoint:\n{started}"
 
     want, got = _final_state(settings, reference), _final_state(settings, job_id)
@@ -141,10 +142,10 @@ def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
 ) -> None:
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "raise:rank=1:step=2")
     job_id = _submit(sessions, max_restarts=1, hyperparameters={"global_batch_size": 8, "steps": 4})
-    dispatcher = RecordingDispatcher()
-    assert run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher) is JobStatus.QUEUED
-    assert run_attempt(job_id=job_id, settings=settings, dispatcher=dispatcher) is JobStatus.FAILED
-    assert dispatcher.sent == [job_id], "only the first failure is restarted"
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.QUEUED
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED, (
+        "only the first failure restarts"
+    )
     job = _job(sessions, job_id)
     assert job.status == "failed" and job.attempt == 2
     assert job.error is not None and "injected fault at step 2" in job.error["message"], job.error
@@ -158,7 +159,7 @@ def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessio
         max_restarts=3,
         hyperparameters={"global_batch_size": 32, "steps": 50, "lr": 100.0, "momentum": 0.9},
     )
-    assert run_attempt(job_id=job_id, settings=settings, dispatcher=RecordingDispatcher()) is JobStatus.FAILED
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = _job(sessions, job_id)
     assert job.attempt == 1, "a resume would replay the same NaN bitwise: no restart"
     assert job.error is not None and job.error["type"] == "FloatingPointError", job.error
@@ -180,7 +181,9 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
             )
         )
         s.query(Job).filter_by(id=job_id).update({"attempt": 1})
-    assert run_attempt(job_id=job_id, settings=settings, dispatcher=RecordingDispatcher()) is JobStatus.FAILED
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = _job(sessions, job_id)
     assert job.error is not None and job.error["type"] == "CheckpointMissing", job.error
-    assert not (settings.artifacts / "jobs" / job_id / "attempt-2" / "events" / "rank0.jsonl").exists()
+    assert not (
+        settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
+    ).exists()

@@ -1,4 +1,4 @@
-"""The job runner on real rank processes and real PostgreSQL: claims, failures, cancel, deadline."""
+"""The node runner on real rank processes and real PostgreSQL: acceptance, failures, cancel, deadline."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from service.jobs import service
 from service.models import Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import create_database, drop_database
+from tests.workers.runs import place_here, run_attempt
 from workers.procs import rank_processes
-from workers.runner import run_attempt
+from workers.runner import run_node
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +67,13 @@ def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[str]:
 
 def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions)
+    attempt = place_here(settings, job_id=job_id)
     results: list[JobStatus | None] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(run_attempt(job_id=job_id, settings=settings)))
-        for _ in range(2)
-    ]
+
+    def deliver() -> None:
+        results.append(run_node(job_id=job_id, attempt=attempt, node_rank=0, settings=settings))
+
+    threads = [threading.Thread(target=deliver) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -158,7 +161,7 @@ def test_outputs_are_written_under_the_artifact_root(settings: Settings, session
         "ckpt-000000002.pt",
         "ckpt-000000004.pt",
     ]
-    assert (job_dir / "attempt-1" / "logs" / "rank1.log").is_file()
+    assert (job_dir / "attempt-1" / "node-0" / "logs" / "rank1.log").is_file()
 
 
 def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
@@ -176,27 +179,19 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     assert rank_processes(job_id) == [], "the stuck rank must be killed too"
 
 
-def test_the_running_limit_holds_a_job_back_and_the_end_of_a_run_releases_it(
+def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.jobs import lifecycle
-    from service.users import repository as users
-    from tests.api_fixtures import RecordingDispatcher
+    from sqlalchemy import func, select
 
-    published = RecordingDispatcher()
-    monkeypatch.setattr("service.dispatch.CeleryDispatcher", lambda _settings: published)
-    limited = settings.model_copy(update={"max_running_jobs_per_user": 1})
-    spec = JobSpec.model_validate({"name": "q", "recipe": "mlp", "hyperparameters": {"steps": 2}})
-    with sessions.begin() as s:
-        user = users.create(s, name="limited", is_admin=False)
-        assert user is not None
-        busy, held, last = (service.submit(s, user=user, spec=spec).id for _ in range(3))
-        assert lifecycle.claim(s, job_id=busy, worker="elsewhere:1") is not None  # runs elsewhere
-    assert run_attempt(job_id=held, settings=limited) is None, "over the limit: nothing runs"
-    job = _job(sessions, held)
-    assert (job.status, job.quota_deferred) == ("queued", True), f"held back, got {job.status}"
-    with sessions.begin() as s:
-        lifecycle.transition(s, job_id=busy, src=JobStatus.RUNNING, dst=JobStatus.SUCCEEDED)
-    assert run_attempt(job_id=last, settings=limited) is JobStatus.SUCCEEDED
-    assert published.sent == [held], f"the end of a run publishes the held-back job, got {published.sent}"
-    assert run_attempt(job_id=held, settings=limited) is JobStatus.SUCCEEDED, "and then it runs"
+    from service.models import JobNode
+    from workers import runner
+
+    kicks: list[int] = []
+    monkeypatch.setattr(runner, "on_release", [lambda: kicks.append(1)])
+    job_id = _submit(sessions)
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
+    with sessions() as s:
+        held = s.execute(select(func.count()).select_from(JobNode).where(JobNode.job_id == job_id)).scalar()
+    assert held == 0, "the job's slots are free again"
+    assert kicks == [1], "placement is asked to use them"

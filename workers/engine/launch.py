@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 # "pid:start time" of the process supervising the ranks (the worker's runner). Each rank exits when
 # it is gone: ranks of a SIGKILLed worker must not train on, writing checkpoints beside the next
@@ -48,6 +49,29 @@ def watch_supervisor(value: str | None, *, interval: float = 1.0) -> threading.T
     return thread
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """torchrun's c10d rendezvous of a multi-node attempt, hosted by node 0's agent."""
+
+    endpoint: str  # "address:port" of node 0
+    run_id: str  # unique per attempt, so a late node of an old attempt never joins a new one
+    is_host: bool  # node 0 runs the store; explicit, because its address may not be its host name's
+    timeout_seconds: float
+
+    def args(self, nnodes: int) -> list[str]:
+        """torchrun's rendezvous options: every node joins, or the attempt fails after the timeout."""
+        conf = f"is_host={int(self.is_host)},join_timeout={int(self.timeout_seconds)}"
+        return [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={conf}",
+            # A failed rank ends the attempt on every node; dptrain restarts it from a checkpoint.
+            "--max-restarts=0",
+        ]
+
+
 def torchrun_command(
     *,
     job_id: str,
@@ -55,20 +79,34 @@ def torchrun_command(
     spec_path: str | os.PathLike[str],
     run_dir: str | os.PathLike[str],
     checkpoint_dir: str | os.PathLike[str],
+    node: str = "",
+    nnodes: int = 1,
+    rendezvous: Rendezvous | None = None,
+    local_addr: str | None = None,
 ) -> list[str]:
-    """The argv that launches `nproc` engine ranks on this host for one job."""
+    """The argv that launches `nproc` engine ranks on this node for one job (of `nnodes` nodes)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if (nnodes > 1) != (rendezvous is not None):
+        raise ValueError("a rendezvous is needed exactly when a job has more than one node")
+    if rendezvous is None:
+        # One node: torchrun's own local rendezvous on a free port, no address to agree on.
+        where = ["--standalone"]
+    else:
+        where = rendezvous.args(nnodes) + ([f"--local-addr={local_addr}"] if local_addr else [])
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *where,
         f"--nproc-per-node={nproc}",
         "-m",
         "workers.engine.main",
         "--job-id",
         job_id,
+        # Which worker node's ranks these are: several nodes of a job may share a host.
+        "--on-node",
+        node,
         "--spec",
         os.fspath(spec_path),
         "--run-dir",

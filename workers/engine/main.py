@@ -23,6 +23,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the engine's command line."""
     p = argparse.ArgumentParser(prog="workers.engine.main", description=__doc__)
     p.add_argument("--job-id", required=True)
+    p.add_argument(
+        "--on-node", default="", help="the worker node launching this rank (to find its processes)"
+    )
     p.add_argument("--spec", required=True, type=Path, help="JobSpec as JSON")
     p.add_argument("--run-dir", required=True, type=Path, help="events/ and logs/ go here")
     p.add_argument("--checkpoint-dir", required=True, type=Path)

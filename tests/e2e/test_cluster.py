@@ -1,0 +1,174 @@
+"""Multi-node jobs on three worker nodes: placement, c10d rendezvous across nodes, node loss.
+
+One cluster for the module (n0 and n1 with 2 slots, n2 with 4); the node-loss test kills a node, so
+it runs last. Each node has a network namespace of its own where the machine allows it.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e.cluster import Cluster, running_cluster
+from tests.e2e.helpers import wait_for_terminal
+
+TOLERANCE = 1e-6
+
+
+def _spec(name: str, *, nodes: int, ppn: int, steps: int = 8, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "recipe": "mlp",
+        "hyperparameters": {
+            "global_batch_size": 16,
+            "steps": steps,
+            "lr": 0.1,
+            "momentum": 0.9,
+            "hidden_size": 16,
+        },
+        "resources": {"nodes": nodes, "processes_per_node": ppn, "device": "cpu"},
+        "checkpoint": {"every_steps": 4, "keep_last": 3},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    # Each step sleeps 50 ms, so a run lasts long enough to be seen running and to lose a node.
+    with running_cluster(
+        tmp_path_factory.mktemp("cluster"), slots=[2, 2, 4], DPTRAIN_FAULT_INJECT="sleep:ms=50"
+    ) as c:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            items = c.http.get("/v1/workers").json()["items"]
+            if sorted(w["name"] for w in items if w["status"] == "alive") == c.nodes:
+                break
+            c.procs.check_alive()
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"the nodes did not all register:\n{c.procs.logs()}")
+        yield c
+
+
+def _submit(c: Cluster, spec: dict[str, Any]) -> str:
+    r = c.http.post("/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
+def _succeeded(c: Cluster, job_id: str) -> dict[str, Any]:
+    job = wait_for_terminal(c.http, job_id, procs=c.procs, timeout=240)
+    assert job["status"] == "succeeded", f"{job['status']}: {job['error']}\n{c.procs.logs()}"
+    return job
+
+
+def _final_params(c: Cluster, job_id: str) -> dict[str, torch.Tensor]:
+    ckpts = c.http.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]
+    last = max(ckpts, key=lambda k: k["step"])
+    raw = c.http.get(f"/v1/jobs/{job_id}/checkpoints/{last['id']}/download").content
+    state = torch.load(io.BytesIO(raw), weights_only=True)
+    return dict(state["model"])
+
+
+def _placed_on(c: Cluster, job_id: str) -> str:
+    reasons = [t["reason"] or "" for t in c.http.get(f"/v1/jobs/{job_id}/timeline").json()["items"]]
+    placed = [r for r in reasons if r.startswith("placed on")]
+    assert placed, f"no placement in the timeline: {reasons}"
+    return placed[-1]
+
+
+def test_every_node_registers_its_address_device_and_slots(cluster: Cluster) -> None:
+    items = {w["name"]: w for w in cluster.http.get("/v1/workers").json()["items"]}
+    assert [items[n]["slots"] for n in cluster.nodes] == [2, 2, 4]
+    for i, name in enumerate(cluster.nodes):
+        w = items[name]
+        assert (w["device"], w["status"], w["free_slots"]) == ("cpu", "alive", w["slots"]), w
+        want = cluster.network.address(i) if cluster.network else f"127.0.0.{11 + i}"
+        assert w["address"] == want, w
+
+
+def test_two_nodes_of_two_ranks_end_with_the_parameters_of_one_node_of_four(cluster: Cluster) -> None:
+    spread = _submit(cluster, _spec("two-by-two", nodes=2, ppn=2))
+    single = _submit(cluster, _spec("one-by-four", nodes=1, ppn=4))
+    _succeeded(cluster, spread)
+    _succeeded(cluster, single)
+    assert _placed_on(cluster, spread) == "placed on n0, n1", "best fit: the two 2-slot nodes"
+    assert _placed_on(cluster, single) == "placed on n2"
+    a, b = _final_params(cluster, spread), _final_params(cluster, single)
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert diff <= TOLERANCE, f"{name}: 2x2 vs 1x4 differ by {diff:.3g}"
+    logs = cluster.http.get(f"/v1/jobs/{spread}/logs", params={"limit": 10_000}).json()["items"]
+    assert {line["rank"] for line in logs} >= {0, 1, 2, 3}, "the ranks of both nodes report their logs"
+
+
+def test_two_competing_two_node_jobs_on_three_nodes_both_finish(cluster: Cluster) -> None:
+    first = _submit(cluster, _spec("compete-a", nodes=2, ppn=2, steps=40))
+    second = _submit(cluster, _spec("compete-b", nodes=2, ppn=2, steps=8))
+    reasons: set[str] = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        jobs = {j: cluster.http.get(f"/v1/jobs/{j}").json() for j in (first, second)}
+        if jobs[second]["status"] == "queued" and jobs[second]["queued_reason"]:
+            reasons.add(jobs[second]["queued_reason"])
+        if jobs[first]["status"] != "queued" and jobs[second]["status"] != "queued":
+            break
+        time.sleep(0.2)
+    _succeeded(cluster, first)
+    _succeeded(cluster, second)
+    assert "waiting for 2 nodes with 2 free cpu slots: 1 such now" in reasons, (
+        f"the second job must wait whole, saying why; saw {reasons}"
+    )
+
+
+def test_a_job_asking_for_more_nodes_than_exist_waits_and_says_why(cluster: Cluster) -> None:
+    big = _submit(cluster, _spec("too-big", nodes=4, ppn=1))
+    deadline = time.monotonic() + 30
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = cluster.http.get(f"/v1/jobs/{big}").json()
+        if job["queued_reason"]:
+            break
+        time.sleep(0.2)
+    assert job["status"] == "queued"
+    assert (
+        job["queued_reason"]
+        == "waiting for 4 nodes with 1 free cpu slot: 3 live cpu nodes, 3 of them with 1 slot"
+    )
+    # It blocks nobody: a job submitted after it runs.
+    _succeeded(cluster, _submit(cluster, _spec("after-too-big", nodes=1, ppn=1)))
+    assert cluster.http.get(f"/v1/jobs/{big}").json()["status"] == "queued"
+    assert cluster.http.post(f"/v1/jobs/{big}/cancel").status_code == 200
+
+
+def test_losing_a_node_restarts_the_job_from_its_checkpoint_on_the_others(cluster: Cluster) -> None:
+    job_id = _submit(cluster, _spec("lose-a-node", nodes=2, ppn=1, steps=60, max_restarts=3))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = cluster.http.get(f"/v1/jobs/{job_id}").json()
+        ckpts = cluster.http.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]
+        if job["status"] == "running" and ckpts and job["progress"]["step"] >= 10:
+            break
+        cluster.procs.check_alive()
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the job never got going:\n{cluster.procs.logs()}")
+    victim = _placed_on(cluster, job_id).removeprefix("placed on ").split(", ")[1]
+    cluster.procs.kill(victim)
+    job = _succeeded(cluster, job_id)
+    assert job["attempt"] >= 2, "the job was restarted"
+    assert victim not in _placed_on(cluster, job_id), "the restart avoids the lost node"
+    reasons = " ".join(
+        t["reason"] or "" for t in cluster.http.get(f"/v1/jobs/{job_id}/timeline").json()["items"]
+    )
+    assert "restarting after attempt 1" in reasons, reasons
+    logs = cluster.http.get(f"/v1/jobs/{job_id}/logs", params={"limit": 10_000}).json()["items"]
+    assert any("resumed from" in line["line"] for line in logs), "the restart resumed from a checkpoint"
+    lost = {w["name"]: w for w in cluster.http.get("/v1/workers").json()["items"]}[victim]
+    assert lost["status"] == "lost", lost

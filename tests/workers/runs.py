@@ -1,0 +1,46 @@
+"""Run one attempt of a job in the test's process, as its node's worker would after placement."""
+
+from __future__ import annotations
+
+from api_schemas import JobStatus
+from service.config import Settings
+from service.db import session_factory
+from service.jobs import lifecycle
+from service.models import Job
+from service.models.base import utcnow
+from service.scheduling import repository
+from workers.runner import run_node
+
+
+def place_here(settings: Settings, *, job_id: str) -> int:
+    """Start a new attempt of a queued job on this test's node (settings.node); returns the attempt.
+
+    Placement's rules are tested in tests/scheduling; runner tests only need the rows it writes.
+    """
+    with session_factory(settings).begin() as s:
+        job = lifecycle.claim(s, job_id=job_id, worker=settings.node)
+        assert job is not None, f"job {job_id} is not queued"
+        row = {
+            "job_id": job_id,
+            "node_rank": 0,
+            "attempt": job.attempt,
+            "worker": settings.node,
+            "slots": int(job.spec["resources"]["processes_per_node"]),
+            "address": "127.0.0.1",
+            "port": None,
+            "placed_at": utcnow(),
+            "started_at": None,
+        }
+        repository.add_nodes(s, rows=[row])
+        return job.attempt
+
+
+def run_attempt(*, job_id: str, settings: Settings) -> JobStatus | None:
+    """Place a queued job here and run it to its end; a job already placed is delivered again (None)."""
+    with session_factory(settings)() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        status, attempt = job.status, job.attempt
+    if status == JobStatus.QUEUED.value:
+        attempt = place_here(settings, job_id=job_id)
+    return run_node(job_id=job_id, attempt=attempt, node_rank=0, settings=settings)
