@@ -22,11 +22,12 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_serializer": "json",
         "accept_content": ["json"],
         "task_ignore_result": True,
-        # A job runs for hours: acknowledge only after it ends, so a worker that dies mid-job
-        # leaves the message for another; fetch one message at a time so a busy worker does not
-        # sit on jobs another could start.
-        "task_acks_late": True,
-        "task_reject_on_worker_lost": True,
+        # A message only starts one placed node; SQL holds the job and the placement, not the
+        # broker. So it is acknowledged on receipt: a worker that dies is found by its lease, and a
+        # start it never accepted is sent again (republish_unstarted). No delivery stays unacked
+        # for a run's hours, which RabbitMQ's consumer_timeout and kombu's Redis reconnect (its
+        # restore of unacked messages crashed the worker on a Redis restart) both punish.
+        "task_acks_late": False,
         "worker_prefetch_multiplier": 1,
         "broker_transport_options": _transport_options(settings.broker_url),
         "broker_connection_retry_on_startup": True,

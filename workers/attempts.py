@@ -15,7 +15,7 @@ from service.jobs import lifecycle
 log = logging.getLogger(__name__)
 
 # How long the end state of an attempt is retried through a database outage. Past it the job stays
-# `running` under this worker's name; this worker's reconciler, seeing it not in runner.ACTIVE, ends it.
+# `running` under this worker's name; this worker's reconciler, seeing it not in runner.active(), ends it.
 FINISH_RETRY_SECONDS = 3600
 
 # Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and

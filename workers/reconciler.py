@@ -27,7 +27,7 @@ from service.scheduling import repository as scheduling
 from service.scheduling.service import republish_unstarted
 from workers.attempts import Attempt, end_abnormally
 from workers.procs import sweep_ranks
-from workers.runner import ACTIVE
+from workers.runner import active
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class Reconciler(threading.Thread):
             sessions=self.sessions,
             lease_seconds=self.settings.worker_lease_seconds,
             me=self.me,
-            running_here=frozenset(ACTIVE),
+            running_here=active(),
         )
         if lost and self.on_freed is not None:
             self.on_freed()  # their nodes are free and restarts are queued: place them now

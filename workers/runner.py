@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +37,20 @@ log = logging.getLogger(__name__)
 
 TRACEBACK_TAIL_LINES = 40
 FINAL_FLUSH_SECONDS = 300
-# (job, attempt) of the nodes this worker process runs right now (the Celery pool's threads add and
-# remove them; the reconciler of the same process reads it). Keyed by attempt too: the thread of an
-# ending attempt and the thread of the job's next attempt on this node may overlap.
-ACTIVE: set[tuple[str, int]] = set()
+# (job, attempt) of the nodes this worker process runs right now, counted: the Celery pool's threads
+# add and remove them, the reconciler of the same process reads them (`active()`). Keyed by attempt,
+# because an ending attempt's thread and the next attempt's may overlap; counted, because a duplicate
+# delivery's thread registers too (before its acceptance is refused) and must not unregister the run.
+_ACTIVE: Counter[tuple[str, int]] = Counter()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def active() -> frozenset[tuple[str, int]]:
+    """The (job, attempt) pairs this worker process is running a node of."""
+    with _ACTIVE_LOCK:
+        return frozenset(k for k, n in _ACTIVE.items() if n > 0)
+
+
 # Called when a node's run ends (slots are free again): the worker's placement thread sets it.
 on_release: list[Callable[[], None]] = []
 
@@ -101,11 +113,15 @@ def run_node(*, job_id: str, attempt: int, node_rank: int, settings: Settings) -
     """
     # Registered before the acceptance commits, so this worker's reconciler never sees a node of the
     # job started here and not running unless its run really ended without recording its end.
-    ACTIVE.add((job_id, attempt))
+    with _ACTIVE_LOCK:
+        _ACTIVE[(job_id, attempt)] += 1
     try:
         return _run_node(job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings)
     finally:
-        ACTIVE.discard((job_id, attempt))
+        with _ACTIVE_LOCK:
+            _ACTIVE[(job_id, attempt)] -= 1
+            if _ACTIVE[(job_id, attempt)] <= 0:
+                del _ACTIVE[(job_id, attempt)]
         for callback in on_release:
             callback()
 

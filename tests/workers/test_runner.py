@@ -195,3 +195,48 @@ def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
         held = s.execute(select(func.count()).select_from(JobNode).where(JobNode.job_id == job_id)).scalar()
     assert held == 0, "the job's slots are free again"
     assert kicks == [1], "placement is asked to use them"
+
+
+def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node(
+    settings: Settings, sessions: sessionmaker
+) -> None:
+    from sqlalchemy import func, select
+
+    from service.jobs import lifecycle
+    from service.models import JobNode
+    from service.models.base import utcnow
+    from service.scheduling import repository as placement
+    from tests.e2e.helpers import free_port
+
+    job_id = _submit(sessions, resources={"nodes": 2, "processes_per_node": 1})
+    with sessions.begin() as s:
+        job = lifecycle.claim(s, job_id=job_id, worker=settings.node)
+        assert job is not None
+        rows = [
+            {"node_rank": 0, "worker": settings.node, "port": free_port()},
+            {"node_rank": 1, "worker": "ghost", "port": None},  # its worker never starts its part
+        ]
+        placement.add_nodes(
+            s,
+            rows=[
+                {
+                    **r,
+                    "job_id": job_id,
+                    "attempt": 1,
+                    "slots": 1,
+                    "address": "127.0.0.1",
+                    "placed_at": utcnow(),
+                }
+                for r in rows
+            ],
+        )
+    quick = settings.model_copy(update={"rendezvous_timeout_seconds": 3})
+    started = time.monotonic()
+    assert run_node(job_id=job_id, attempt=1, node_rank=0, settings=quick) is JobStatus.FAILED
+    assert time.monotonic() - started < 90, "bounded by the rendezvous timeout, not the collective one"
+    error = _job(sessions, job_id).error
+    assert error is not None and error["type"] == "RendezvousFailed", error
+    with sessions() as s:
+        held = s.execute(select(func.count()).select_from(JobNode).where(JobNode.job_id == job_id)).scalar()
+    assert held == 0, "every node of the attempt is free again"
+    assert rank_processes(job_id) == []

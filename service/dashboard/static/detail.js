@@ -75,6 +75,8 @@
           el("dt", { text: "recipe" }), el("dd", { text: job.spec.recipe || job.spec.entrypoint }),
           el("dt", { text: "ranks" }), el("dd", { text: `${job.spec.resources.nodes} × ${job.spec.resources.processes_per_node} ${job.spec.resources.device}` }),
           el("dt", { text: "attempt" }), el("dd", { text: String(job.attempt) }),
+          job.queued_reason ? el("dt", { text: "waiting" }) : null,
+          job.queued_reason ? el("dd", { id: "queued-reason", text: job.queued_reason }) : null,
           el("dt", { text: "submitted" }), el("dd", { text: `${ago(job.created_at)} (${job.created_at})` }),
           el("dt", { text: "duration" }), el("dd", { text: jobDuration(job) || "not started" })));
       error.hidden = !job.error;

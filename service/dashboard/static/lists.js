@@ -93,14 +93,14 @@
     const note = el("p", { class: "muted" });
     view.append(el("section", { class: "card" }, el("h2", { text: "Workers" }),
       el("table", { id: "workers" },
-        el("thead", {}, el("tr", {}, ["Worker", "Host", "Devices", "Slots (free)", "Running jobs", "Last heartbeat", "Status"].map((h) => el("th", { text: h })))),
+        el("thead", {}, el("tr", {}, ["Node", "Address", "Devices", "Slots (free)", "Running jobs", "Last heartbeat", "Status"].map((h) => el("th", { text: h })))),
         tbody),
       note));
     const refresh = every(WORKERS_POLL_MS, async () => {
       const { data } = await api("/v1/workers");
       tbody.replaceChildren(...data.items.map((w) => el("tr", { "data-worker": w.name },
         el("td", { text: w.name }),
-        el("td", { text: w.hostname }),
+        el("td", { class: "mono", text: w.address, title: w.hostname }),
         el("td", { text: `${w.device_count} × ${w.device}` }),
         el("td", { text: `${w.slots} (${w.free_slots})` }),
         el("td", {}, (w.running_jobs || []).map((id) => el("a", { href: `#/jobs/${id}`, class: "mono", text: `${id} ` }))),
