@@ -125,6 +125,11 @@ class Reporter:
         elif kind == "error":
             self.state.errors.append(event)
 
+    @property
+    def pending(self) -> bool:
+        """Whether collected reports wait to be written."""
+        return bool(self._metrics or self._logs or self._checkpoints or self._deleted or self._progress_dirty)
+
     def flush(self) -> bool:
         """Write the pending batch and read the cancel flag; False (batch kept) if the database failed."""
         try:

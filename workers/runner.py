@@ -36,6 +36,7 @@ from workers.reporting import Reporter
 log = logging.getLogger(__name__)
 
 TRACEBACK_TAIL_LINES = 40
+FIRST_REPORT_POLL_SECONDS = 0.05
 FINAL_FLUSH_SECONDS = 300
 # (job, attempt) of the nodes this worker process runs right now, counted: the Celery pool's threads
 # add and remove them, the reconciler of the same process reads them (`active()`). Keyed by attempt,
@@ -245,10 +246,19 @@ def _supervise(
         paths.pid_file.write_text(f"{proc.pid}\n")
     stopped_for: str | None = None
     try:
+        last_flush = time.monotonic()
         while proc.poll() is None:
-            time.sleep(settings.report_interval_seconds)
+            # Until the first step is reported, look at the ranks' files often and report as soon
+            # as something arrives: the time to the first step is what a user waits for. Later
+            # reports batch on the regular tick.
+            waiting = not reporter.state.latest_metrics
+            time.sleep(FIRST_REPORT_POLL_SECONDS if waiting else settings.report_interval_seconds)
             reporter.collect()
+            due = time.monotonic() - last_flush >= settings.report_interval_seconds
+            if waiting and not due and not reporter.pending:
+                continue
             reporter.flush()
+            last_flush = time.monotonic()
             if stopped_for is None:
                 if reporter.state.cancel_requested:
                     stopped_for = "cancel"
