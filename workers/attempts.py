@@ -55,7 +55,6 @@ class Attempt:
     number: int
     token: str
     max_restarts: int
-    device: str
 
 
 def end_abnormally(sessions: sessionmaker[Session], *, att: Attempt, error: dict[str, Any]) -> JobStatus:

@@ -56,7 +56,7 @@ def recover_lost(
     with sessions() as session:
         leases = scheduling.leases(session)
     lost: dict[str, tuple[Attempt, str, str]] = {}
-    for job_id, token, attempt, max_restarts, spec, worker, placed, started, beat in leases:
+    for job_id, token, attempt, max_restarts, worker, placed, started, beat in leases:
         if job_id in lost:
             continue
         if me is not None and worker == me:
@@ -71,8 +71,7 @@ def recover_lost(
             why = f"worker {worker} lost: it is no longer registered"
         else:
             continue  # just placed on a worker whose first beat is not in yet
-        device = str(spec.get("resources", {}).get("device", "cpu"))
-        att = Attempt(job_id=job_id, number=attempt, token=token, max_restarts=max_restarts, device=device)
+        att = Attempt(job_id=job_id, number=attempt, token=token, max_restarts=max_restarts)
         lost[job_id] = (att, worker, why)
     for job_id, (att, worker, why) in lost.items():
         # Ranks the dead worker left on this host must not keep writing checkpoints; on other hosts

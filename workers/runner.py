@@ -146,7 +146,6 @@ def _accept(
             number=attempt,
             token=str(job.claim_token),
             max_restarts=job.max_restarts,
-            device=str(spec.get("resources", {}).get("device", "cpu")),
         )
         nnodes = int(spec["resources"].get("nodes", 1))
         rendezvous = None

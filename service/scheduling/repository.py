@@ -126,8 +126,8 @@ def unstarted(session: Session, *, placed_before: datetime, now: datetime) -> li
 
 def leases(
     session: Session,
-) -> Sequence[tuple[str, str, int, int, dict[str, Any], str, datetime, datetime | None, datetime | None]]:
-    """(job id, claim token, attempt, max_restarts, spec, worker, placed_at, started_at, the worker's last
+) -> Sequence[tuple[str, str, int, int, str, datetime, datetime | None, datetime | None]]:
+    """(job id, claim token, attempt, max_restarts, worker, placed_at, started_at, the worker's last
     heartbeat or None when its row is gone) of every node of every running job: what the reconciler checks."""
     stmt = (
         select(
@@ -135,7 +135,6 @@ def leases(
             Job.claim_token,
             Job.attempt,
             Job.max_restarts,
-            Job.spec,
             JobNode.worker,
             JobNode.placed_at,
             JobNode.started_at,
@@ -147,6 +146,6 @@ def leases(
         .order_by(Job.id, JobNode.node_rank)
     )
     return [
-        (j, str(t), int(a), int(m), dict(s), str(w), placed, started, beat)
-        for j, t, a, m, s, w, placed, started, beat in session.execute(stmt)
+        (j, str(t), int(a), int(m), str(w), placed, started, beat)
+        for j, t, a, m, w, placed, started, beat in session.execute(stmt)
     ]
