@@ -61,9 +61,14 @@ class TokenCache:
         if flight is None:
             flight = asyncio.ensure_future(self._load(token_hash, load, self._generation))
             self._flights[token_hash] = flight
-            flight.add_done_callback(lambda _f: self._flights.pop(token_hash, None))
+            flight.add_done_callback(lambda f: self._landed(token_hash, f))
         # Shielded: one waiter going away (a client disconnect) must not cancel the others' lookup.
         return await asyncio.shield(flight)
+
+    def _landed(self, token_hash: str, flight: asyncio.Future[User | None]) -> None:
+        self._flights.pop(token_hash, None)
+        if not flight.cancelled():
+            flight.exception()  # retrieved here: every waiter may have gone (no "never retrieved")
 
     async def _load(
         self, token_hash: str, load: Callable[[], Awaitable[User | None]], generation: int
