@@ -34,7 +34,16 @@ def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     """Run the HTTP API (uvicorn)."""
     import uvicorn
 
-    uvicorn.run("service.main:app", host=host, port=port, workers=workers, log_level="info")
+    uvicorn.run(
+        "service.main:app",
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="info",
+        # A log line per request costs as much CPU as a cached poll itself; request counts and
+        # latencies are in /metrics either way. DPTRAIN_ACCESS_LOG=1 turns it back on.
+        access_log=get_settings().access_log,
+    )
 
 
 def worker(

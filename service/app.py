@@ -6,9 +6,11 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from service.auth.cache import TokenCache
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings, get_settings
 from service.dashboard.router import install_dashboard
@@ -65,6 +67,10 @@ def create_app(
     # A registry per app, not prometheus_client's global one: tests build many apps in one process.
     app.state.metrics_registry = CollectorRegistry()
     app.state.metrics_registry.register(DatabaseCollector(lambda: app.state.session_factory()))
+    app.state.token_cache = TokenCache(ttl=settings.auth_cache_seconds)
+    # Worker threads for database work besides anyio's default 40 (sync routes): see service.deps.
+    app.state.db_limiter = anyio.CapacityLimiter(settings.db_pool_size)
+    app.state.commit_limiter = anyio.CapacityLimiter(settings.db_pool_size)
     app.state.rate_limiter = TokenBuckets(
         rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst
     )

@@ -70,6 +70,16 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(100, ge=1)
     # A user's jobs running at once (admins included); placement leaves the rest queued, with a reason.
     max_running_jobs_per_user: int = Field(4, ge=1)
+    # uvicorn's access log, a line per request (`dptrain api`).
+    access_log: bool = False
+    # Database connections each process keeps open (as many again may open for bursts). The API
+    # also runs at most this many requests' database work at once (its threadpool): more threads
+    # than connections would only queue on the pool, and open and close connections as they do.
+    db_pool_size: int = Field(16, ge=1, le=256)
+    # Each API process remembers token -> user this long, so a poll costs no user lookup. A token
+    # revoked through this process is refused at once; through another (the CLI, another API
+    # process) within this many seconds. 0 looks the token up at every request.
+    auth_cache_seconds: float = Field(1.0, ge=0, le=60)
     # How often an open `GET /v1/jobs/{id}/events` stream looks at the database.
     sse_poll_seconds: float = 1.0
 

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, TypeVar
 
+import anyio
+import anyio.to_thread
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
+from service.auth.cache import TokenCache
 from service.auth.tokens import hash_token
 from service.config import Settings
+from service.db import autocommit_reader
 from service.errors import TooManyRequests, Unauthorized
 from service.limits import TokenBuckets
 from service.models import User
@@ -19,23 +25,87 @@ from service.scheduling.scheduler import Kicker
 from service.users.repository import user_for_token_hash
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Where `_owned` leaves the limiter of `run_in_transaction` for the session it opens.
+_DB_LIMITER = "dptrain.db_limiter"
 
 
-def get_settings_dep(request: Request) -> Settings:
+# Dependencies that do no I/O are `async def`: FastAPI runs a sync one in the threadpool, a hop that
+# costs more under load than the function itself.
+
+
+async def get_settings_dep(request: Request) -> Settings:
     """The app's settings."""
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
+async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session whose transaction the request owns: commit at the end, rollback on error.
 
     Callbacks queued in `session.info["after_commit"]` (kicking placement) run only after the
     commit succeeded, so placement never looks for a job whose row is not there yet.
     """
-    session: Session = request.app.state.session_factory()
+    async with _owned(request, request.app.state.session_factory()) as session:
+        yield session
+
+
+async def get_read_session(request: Request) -> AsyncIterator[Session]:
+    """A session for a request that only reads: each statement commits on its own (no BEGIN, no COMMIT).
+
+    See `service.db.autocommit_reader` for when that gives the same answer as a transaction.
+    """
+    async with _owned(request, autocommit_reader(request.app.state.session_factory)()) as session:
+        yield session
+
+
+@asynccontextmanager
+async def _owned(request: Request, session: Session) -> AsyncIterator[Session]:
+    # Async, so that opening costs no threadpool hop (making a Session does no I/O); the commit and
+    # a rollback do I/O, so they run in a worker thread, one hop, and only when there is a
+    # transaction left (`run_in_transaction` commits its own; a request answered from the token
+    # cache without a query has none).
+    # Each hop takes a token of a limiter that guards threads; a thread that waits for a pooled
+    # connection must never hold the token a connection holder waits for, else a full pool
+    # deadlocks. So: commits (which hold their connection) have a limiter of their own and never
+    # wait for the pool; `run_in_transaction` hops (which hold none while they wait for a token)
+    # have another, as large as the pool, so they do not wait for it either.
+    session.info[_DB_LIMITER] = request.app.state.db_limiter
+    commits: anyio.CapacityLimiter = request.app.state.commit_limiter
     try:
         yield session
+        if session.in_transaction() or session.info.get("after_commit"):
+            await anyio.to_thread.run_sync(_commit, session, limiter=commits)
+        else:
+            session.close()
+    except BaseException:
+        # Shielded: a client that went away cancels the request, and the connection must still
+        # go back to the pool rolled back.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(session.close, limiter=commits)
+        raise
+
+
+async def run_in_transaction(session: Session, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """`fn(session, *args, **kwargs)`, then the commit (and after-commit callbacks), in one worker thread.
+
+    For async routes on hot paths: the request's whole unit of work in one threadpool hop, and its
+    connection back in the pool before the answer is built. `get_session` then finds no
+    transaction left to commit; if `fn` raises, it rolls back as for any route.
+    """
+
+    def work() -> T:
+        result = fn(session, *args, **kwargs)
+        _commit(session)
+        return result
+
+    # At most as many at once as the pool has connections: more would only wait in the pool, or
+    # open overflow connections that are closed again at once (a PostgreSQL backend per request).
+    return await anyio.to_thread.run_sync(work, limiter=session.info[_DB_LIMITER])
+
+
+def _commit(session: Session) -> None:
+    try:
         session.commit()
         callbacks: list[Callable[[], None]] = session.info.pop("after_commit", [])
         for callback in callbacks:
@@ -45,14 +115,11 @@ def get_session(request: Request) -> Iterator[Session]:
                 # The job row is committed, so the submit still succeeds: the next periodic
                 # placement round finds the queued job anyway.
                 log.exception("after-commit callback failed")
-    except BaseException:
-        session.rollback()
-        raise
     finally:
-        session.close()
+        session.close()  # after a commit it only hands the connection back; after a failure, rolls back
 
 
-def get_scheduler(request: Request) -> Kicker:
+async def get_scheduler(request: Request) -> Kicker:
     """The placement thread of this API process, kicked when a job is submitted."""
     scheduler: Kicker = request.app.state.scheduler
     return scheduler
@@ -61,17 +128,21 @@ def get_scheduler(request: Request) -> Kicker:
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 # scope="function": commit (and kick placement) before the response is sent, so a 201 means committed.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 SchedulerDep = Annotated[Kicker, Depends(get_scheduler)]
 
 _bearer = HTTPBearer(auto_error=False)
 
 
-def get_current_user(
+async def get_current_user(
     request: Request,
-    session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> User:
-    """The user of the bearer token, or 401; 429 once the token spent its rate limit."""
+    """The user of the bearer token, or 401; 429 once the token spent its rate limit.
+
+    Looked up in the process's token cache first (`DPTRAIN_AUTH_CACHE_SECONDS`), in the database
+    only on a miss; the cached user is detached and read-only.
+    """
     if credentials is None or credentials.scheme.lower() != "bearer":
         raise Unauthorized()
     digest = hash_token(credentials.credentials)
@@ -80,10 +151,23 @@ def get_current_user(
     wait = limiter.take(digest)
     if wait is not None:
         raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
-    user = user_for_token_hash(session, token_hash=digest)
+    cache: TokenCache = request.app.state.token_cache
+    sessions = request.app.state.session_factory
+    user = await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest))
     if user is None:
         raise Unauthorized()
     return user
+
+
+def _lookup(sessions: sessionmaker[Session], digest: str) -> User | None:
+    # A session of its own, closed at once: the request's session would keep its connection
+    # until the request's commit, across threadpool hops.
+    with sessions() as session:
+        user = user_for_token_hash(session, token_hash=digest)
+        if user is not None:
+            # Detached, so that nothing done to a session expires what other requests read.
+            session.expunge(user)
+        return user
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]

@@ -48,6 +48,17 @@ def get(session: Session, *, job_id: str, owner_id: int | None = None) -> Job | 
     return session.execute(stmt).scalar_one_or_none()
 
 
+def get_with_owner_name(
+    session: Session, *, job_id: str, owner_id: int | None = None
+) -> tuple[Job, str] | None:
+    """A job by id with its owner's name, in one query; optionally only if it belongs to `owner_id`."""
+    stmt = select(Job, User.name).join(User, User.id == Job.owner_id).where(Job.id == job_id)
+    if owner_id is not None:
+        stmt = stmt.where(Job.owner_id == owner_id)
+    row = session.execute(stmt).first()
+    return None if row is None else (row[0], row[1])
+
+
 def insert_job(session: Session, *, values: dict[str, Any]) -> Job | None:
     """Insert a job row; None if its (owner_id, idempotency_key) is taken (the unique constraint decides).
 
@@ -58,10 +69,10 @@ def insert_job(session: Session, *, values: dict[str, Any]) -> Job | None:
         insert_for(session, Job)
         .values(**values)
         .on_conflict_do_nothing(index_elements=[Job.owner_id, Job.idempotency_key])
-        .returning(Job.id)
+        # The whole row back as an ORM object: no second round trip to load what was just written.
+        .returning(Job)
     )
-    job_id = session.execute(stmt).scalar_one_or_none()
-    return None if job_id is None else session.get(Job, job_id)
+    return session.execute(stmt).scalar_one_or_none()
 
 
 def by_idempotency_key(session: Session, *, owner_id: int, key: str) -> Job | None:

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BeforeValidator
+from sqlalchemy.orm import Session
 
 from api_schemas import (
     CheckpointList,
@@ -24,7 +25,15 @@ from api_schemas import (
     Timeline,
     spec_errors,
 )
-from service.deps import CurrentUser, SchedulerDep, SessionDep, SettingsDep, after_commit
+from service.deps import (
+    CurrentUser,
+    ReadSessionDep,
+    SchedulerDep,
+    SessionDep,
+    SettingsDep,
+    after_commit,
+    run_in_transaction,
+)
 from service.errors import (
     Conflict,
     NotFound,
@@ -33,8 +42,9 @@ from service.errors import (
     Unauthorized,
     error_responses,
 )
-from service.etag import conditional_json
+from service.etag import conditional, conditional_json
 from service.jobs import events, metrics_repository, repository, service
+from service.models import Job as JobRow
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized, TooManyRequests))
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
@@ -49,7 +59,7 @@ _REPLAY: dict[int | str, dict[str, object]] = {
     response_model=Job,
     responses=_REPLAY | error_responses(Conflict, PayloadTooLarge),
 )
-def submit_job(
+async def submit_job(
     spec: JobSpec,
     response: Response,
     session: SessionDep,
@@ -71,13 +81,19 @@ def submit_job(
     errors = spec_errors(spec, allowed_entrypoints=settings.entrypoint_prefixes)
     if errors:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
-    if idempotency_key is None:
-        job, created = service.submit(session, user=user, spec=spec), True
-    else:
-        job, created = service.submit_once(session, user=user, spec=spec, key=idempotency_key)
-    if created:
-        after_commit(session, scheduler.kick)
-    else:
+
+    def accept(session: Session) -> tuple[JobRow, bool]:
+        if idempotency_key is None:
+            job, created = service.submit(session, user=user, spec=spec), True
+        else:
+            job, created = service.submit_once(session, user=user, spec=spec, key=idempotency_key)
+        if created:
+            after_commit(session, scheduler.kick)
+        return job, created
+
+    # Async with the insert, the commit and the publish in one threadpool hop (see get_job).
+    job, created = await run_in_transaction(session, accept)
+    if not created:
         response.status_code = status.HTTP_200_OK
     return service.to_schema(job, owner=user.name)
 
@@ -137,10 +153,16 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=Job, responses=error_responses(NotFound) | _NOT_MODIFIED)
-def get_job(job_id: str, request: Request, session: SessionDep, user: CurrentUser) -> Response:
+async def get_job(job_id: str, request: Request, session: ReadSessionDep, user: CurrentUser) -> Response:
     """One job; answers 304 when `If-None-Match` holds its current ETag."""
-    job = service.present(session, jobs=[service.get_visible(session, user=user, job_id=job_id)])[0]
-    return conditional_json(request, job)
+    # Async with one threadpool hop for the query (the hot path of every client that polls); the
+    # ETag comes from the row, so a 304 never builds the body.
+    job, owner = await run_in_transaction(session, service.get_visible_with_owner, user=user, job_id=job_id)
+    return conditional(
+        request,
+        etag=service.job_etag(job, owner=owner),
+        render=lambda: service.to_schema(job, owner=owner).model_dump_json().encode(),
+    )
 
 
 @router.get("/{job_id}/timeline", response_model=Timeline, responses=error_responses(NotFound))

@@ -24,6 +24,7 @@ from api_schemas import (
 )
 from api_schemas.recipes import recipe_params
 from service.errors import Conflict, InvalidTransition, NotFound
+from service.etag import etag_of_version
 from service.jobs import lifecycle, repository
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
@@ -121,6 +122,38 @@ def get_visible(session: Session, *, user: User, job_id: str) -> JobRow:
     if job is None:
         raise NotFound(f"job {job_id!r} not found")
     return job
+
+
+def get_visible_with_owner(session: Session, *, user: User, job_id: str) -> tuple[JobRow, str]:
+    """A job the user may see and its owner's name (one query), or NotFound."""
+    found = repository.get_with_owner_name(session, job_id=job_id, owner_id=_visible_owner(user))
+    if found is None:
+        raise NotFound(f"job {job_id!r} not found")
+    return found
+
+
+# Part of every job ETag: bump it whenever the JSON of an unchanged row changes (a field added to
+# `Job`, another rendering of one), so clients holding an old ETag get the new body.
+JOB_REPRESENTATION = 1
+
+
+def job_etag(job: JobRow, *, owner: str) -> str:
+    """The ETag of a job's JSON, from its row version rather than its body (which a 304 never builds).
+
+    `updated_at` moves with every UPDATE of the row (an `onupdate`, or set explicitly), so it
+    versions every field of the answer; status, step, attempt and `cancel_requested` are added so
+    that even two writes within one microsecond of each other give different tags.
+    """
+    return etag_of_version(
+        JOB_REPRESENTATION,
+        job.id,
+        job.updated_at.isoformat(),
+        job.status,
+        job.step,
+        job.attempt,
+        job.cancel_requested,
+        owner,
+    )
 
 
 def present(session: Session, *, jobs: Sequence[JobRow]) -> list[Job]:

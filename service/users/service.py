@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from api_schemas import IssuedToken, UserInfo
+from service.auth.cache import forget_user_on_commit
 from service.auth.tokens import hash_token, new_token
 from service.errors import Conflict, Forbidden, NotFound
 from service.models import User
@@ -57,4 +58,6 @@ def issue_token(session: Session, *, actor: User | None, name: str) -> IssuedTok
 def revoke_tokens(session: Session, *, actor: User | None, name: str) -> int:
     """Revoke every token of `name` at once (admins: anyone; users: themselves); returns how many."""
     user = _target(session, actor=actor, name=name)
+    # API processes cache token -> user briefly: this one forgets the user once the revocation is in.
+    forget_user_on_commit(session, user.id)
     return repository.revoke_tokens(session, user_id=user.id, now=utcnow())
