@@ -50,12 +50,16 @@ def _transport_options(broker_url: str) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class NodeStart:
-    """Start node `node_rank` of attempt `attempt` of a job on worker node `worker`."""
+    """Start node `node_rank` of attempt `attempt` of a job on worker node `worker`.
+
+    `endpoint` is the c10d rendezvous of a multi-node attempt (node 0's "address:port"), "" for one node.
+    """
 
     job_id: str
     attempt: int
     node_rank: int
     worker: str
+    endpoint: str = ""
 
 
 class Dispatcher(Protocol):
@@ -63,7 +67,7 @@ class Dispatcher(Protocol):
 
 
 class CeleryDispatcher:
-    """Sends `dptrain.run_node(job_id, attempt, node_rank)` to the chosen node's own queue."""
+    """Sends `dptrain.run_node(job_id, attempt, node_rank, endpoint)` to the chosen node's own queue."""
 
     def __init__(self, settings: Settings) -> None:
         self.queue = settings.queue
@@ -74,6 +78,6 @@ class CeleryDispatcher:
         """Publish one node start; ids only, never objects (Celery's own advice)."""
         self.app.send_task(
             RUN_NODE_TASK,
-            args=[start.job_id, start.attempt, start.node_rank],
+            args=[start.job_id, start.attempt, start.node_rank, start.endpoint],
             queue=node_queue(self.queue, start.worker),
         )

@@ -107,8 +107,13 @@ class NodeRun:
         return self.node_rank == 0
 
 
-def run_node(*, job_id: str, attempt: int, node_rank: int, settings: Settings) -> JobStatus | None:
+def run_node(
+    *, job_id: str, attempt: int, node_rank: int, settings: Settings, endpoint: str = ""
+) -> JobStatus | None:
     """Run node `node_rank` of `attempt` of a job to its end; None if the message was stale or a duplicate.
+
+    `endpoint` is the rendezvous the start message carried; without one (a single-node job, or a
+    message from before it was sent) it is read from the job's placement.
 
     Returns QUEUED when the attempt ended abnormally and the job was requeued for a restart.
     """
@@ -117,7 +122,9 @@ def run_node(*, job_id: str, attempt: int, node_rank: int, settings: Settings) -
     with _ACTIVE_LOCK:
         _ACTIVE[(job_id, attempt)] += 1
     try:
-        return _run_node(job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings)
+        return _run_node(
+            job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings, endpoint=endpoint
+        )
     finally:
         with _ACTIVE_LOCK:
             _ACTIVE[(job_id, attempt)] -= 1
@@ -128,7 +135,13 @@ def run_node(*, job_id: str, attempt: int, node_rank: int, settings: Settings) -
 
 
 def _accept(
-    sessions: sessionmaker[Session], *, job_id: str, attempt: int, node_rank: int, settings: Settings
+    sessions: sessionmaker[Session],
+    *,
+    job_id: str,
+    attempt: int,
+    node_rank: int,
+    settings: Settings,
+    endpoint: str,
 ) -> NodeRun | None:
     with sessions.begin() as session:
         me = settings.node
@@ -152,7 +165,7 @@ def _accept(
         if nnodes > 1:
             host = next(n for n in nodes if n.node_rank == 0)
             rendezvous = Rendezvous(
-                endpoint=f"{host.address}:{host.port}",
+                endpoint=endpoint or f"{host.address}:{host.port}",
                 run_id=f"{job_id}-{attempt}",
                 is_host=node_rank == 0,
                 timeout_seconds=settings.rendezvous_timeout_seconds,
@@ -168,9 +181,13 @@ def _accept(
         )
 
 
-def _run_node(*, job_id: str, attempt: int, node_rank: int, settings: Settings) -> JobStatus | None:
+def _run_node(
+    *, job_id: str, attempt: int, node_rank: int, settings: Settings, endpoint: str
+) -> JobStatus | None:
     sessions = session_factory(settings)
-    run = _accept(sessions, job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings)
+    run = _accept(
+        sessions, job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings, endpoint=endpoint
+    )
     if run is None:
         log.info(
             "job %s attempt %d node %d: not ours to start (stale or duplicate)", job_id, attempt, node_rank

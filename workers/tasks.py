@@ -9,7 +9,9 @@ from workers.runner import run_node
 
 
 @app.task(name=RUN_NODE_TASK)
-def run_node_task(job_id: str, attempt: int, node_rank: int) -> str | None:
+def run_node_task(job_id: str, attempt: int, node_rank: int, endpoint: str = "") -> str | None:
     """Run this node's part of an attempt; a stale or duplicate delivery returns None and runs nothing."""
-    status = run_node(job_id=job_id, attempt=attempt, node_rank=node_rank, settings=get_settings())
+    status = run_node(
+        job_id=job_id, attempt=attempt, node_rank=node_rank, settings=get_settings(), endpoint=endpoint
+    )
     return status.value if status else None

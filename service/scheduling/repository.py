@@ -124,6 +124,13 @@ def unstarted(session: Session, *, placed_before: datetime, now: datetime) -> li
     return [(j, int(a), int(r), str(w)) for j, a, r, w in session.execute(stmt)]
 
 
+def endpoint(session: Session, *, job_id: str) -> str:
+    """The rendezvous endpoint of a running job ("address:port" of node 0), "" for a single-node job."""
+    stmt = select(JobNode.address, JobNode.port).where(JobNode.job_id == job_id, JobNode.node_rank == 0)
+    row = session.execute(stmt).first()
+    return f"{row[0]}:{row[1]}" if row is not None and row[1] is not None else ""
+
+
 def leases(
     session: Session,
 ) -> Sequence[tuple[str, str, int, int, str, datetime, datetime | None, datetime | None]]:

@@ -126,8 +126,9 @@ def _start(session: Session, *, job: Pending, decision: Decision, port: int | No
             for rank, node in enumerate(decision.nodes)
         ],
     )
+    endpoint = f"{decision.nodes[0].address}:{port}" if port is not None else ""
     starts = [
-        NodeStart(job_id=job.job_id, attempt=row.attempt, node_rank=rank, worker=name)
+        NodeStart(job_id=job.job_id, attempt=row.attempt, node_rank=rank, worker=name, endpoint=endpoint)
         for rank, name in enumerate(names)
     ]
     return Placed(job_id=job.job_id, starts=starts)
@@ -164,7 +165,12 @@ def republish_unstarted(
     now = utcnow()
     with sessions.begin() as session:
         due = repository.unstarted(session, placed_before=now - timedelta(seconds=after_seconds), now=now)
-    starts = [NodeStart(job_id=j, attempt=a, node_rank=r, worker=w) for j, a, r, w in due]
+        starts = [
+            NodeStart(
+                job_id=j, attempt=a, node_rank=r, worker=w, endpoint=repository.endpoint(session, job_id=j)
+            )
+            for j, a, r, w in due
+        ]
     send(dispatcher, [Placed(job_id=s.job_id, starts=[s]) for s in starts])
     if starts:
         log.info("sent %d node starts again: %s", len(starts), starts)

@@ -58,7 +58,11 @@ class TestPlacement:
             (0, "a", 2, "10.0.0.1", settings.rendezvous_port_min, 1),
             (1, "b", 2, "10.0.0.2", None, 1),
         ]
-        assert [(s.worker, s.node_rank, s.attempt) for s in sent.starts] == [("a", 0, 1), ("b", 1, 1)]
+        rdzv = f"10.0.0.1:{settings.rendezvous_port_min}"
+        got_starts = [(s.worker, s.node_rank, s.attempt, s.endpoint) for s in sent.starts]
+        assert got_starts == [("a", 0, 1, rdzv), ("b", 1, 1, rdzv)], (
+            "each node's message names the rendezvous"
+        )
         # Leaving `running` frees every node of the attempt.
         with sessions.begin() as s:
             lifecycle.transition(s, job_id=job_id, src=JobStatus.RUNNING, dst=JobStatus.FAILED)
