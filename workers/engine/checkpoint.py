@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _CHUNK = 1 << 20
+# Writes at least this big (tensor data) are hashed on a worker thread while they are written;
+# smaller ones (zip headers, the pickle) are hashed inline, where a hand-off would cost more.
+_PARALLEL_MIN = 1 << 20
+# A large write goes out in slices of this size, and the disk starts on each as soon as it is
+# written, so the final fsync finds little left to do.
+_SLICE = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 def checkpoint_name(step: int) -> str:
@@ -25,11 +34,81 @@ def checkpoint_name(step: int) -> str:
 def sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
     """(hex sha256, size in bytes) of a file."""
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+    buf = memoryview(bytearray(_CHUNK))  # one buffer, reused: no allocation per chunk
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):  # a larger readahead keeps the disk busy while this hashes
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+            size += n
     return h.hexdigest(), size
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    # Linux's sync_file_range (not in the os module): starts writeback of a range without waiting.
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+class _HashingWriter:
+    """The file object torch.save writes to: passes every byte on to `f` and sha256es it on the way.
+
+    torch's zip writer only ever appends (it never seeks or tells; this has no `seek`, so a torch
+    that tried would fail loudly rather than get a wrong digest), so the digest is that of the file.
+    """
+
+    def __init__(self, f: BinaryIO, hasher: ThreadPoolExecutor) -> None:
+        self._f = f
+        self._fd = f.fileno()
+        self._hasher = hasher
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        """Write and hash one buffer torch hands over; returns its length."""
+        view = memoryview(data).cast("B")
+        if view.nbytes < _PARALLEL_MIN:
+            self._sha.update(view)
+            self._f.write(view)
+        else:
+            self._write_large(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def _write_large(self, view: memoryview) -> None:
+        # The worker hashes each slice while this thread writes it (both release the GIL), so a
+        # tensor costs about max(hash, write) rather than their sum. The single worker hashes in
+        # submission order. The buffer is torch's and may be freed once write() returns, so every
+        # hash of it is waited for before returning, also when a write fails.
+        pending: list[Future[None]] = []
+        try:
+            for start in range(0, view.nbytes, _SLICE):
+                part = view[start : start + _SLICE]
+                pending.append(self._hasher.submit(self._sha.update, part))
+                self._f.write(part)
+                if _sync_file_range is not None:
+                    self._f.flush()
+                    _sync_file_range(self._fd, self.size + start, part.nbytes, _SYNC_FILE_RANGE_WRITE)
+        finally:
+            wait(pending)
+        for done in pending:
+            done.result()
+
+    def flush(self) -> None:
+        """Flush the underlying file (torch calls this when it is done)."""
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        """sha256 of everything written so far."""
+        return self._sha.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -66,7 +145,7 @@ class SavedCheckpoint:
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
-    """A checkpoint read back and verified."""
+    """A checkpoint read back and verified; its tensors are mapped from the file, copy-on-write."""
 
     step: int
     path: Path
@@ -113,12 +192,17 @@ class CheckpointManager:
         path = self.path_for(step)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                torch.save(dict(state), f)
+            with open(tmp, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256") as hasher:
+                # Hashed on the way out: the file is written once and never read back. Every load
+                # verifies the bytes on disk against this digest.
+                out = _HashingWriter(f, hasher)
+                torch.save(dict(state), cast(IO[bytes], out))  # torch calls only write() and flush()
                 f.flush()
                 os.fsync(f.fileno())
-            # Hash what is actually in the file, read back, rather than what we meant to write.
-            digest, size = sha256_file(tmp)
+                digest, size = out.hexdigest(), out.size
+                on_disk = os.fstat(f.fileno()).st_size
+                if size != on_disk:  # cheap proof that the hashed stream is the whole file
+                    raise OSError(f"{tmp.name}: wrote {size} bytes but the file has {on_disk}")
             # Sidecar first: then every visible checkpoint already has its checksum next to it.
             _write_atomic(self.sidecar_for(path), f"{digest}  {path.name}\n".encode())
             os.replace(tmp, path)
@@ -155,7 +239,11 @@ class CheckpointManager:
             if actual != expected:
                 raise ValueError(f"{path.name}: sha256 {actual} != sidecar's {expected or '(empty)'}")
         # weights_only: a checkpoint is data, never code; map to CPU so any world/device can resume.
-        state = torch.load(path, weights_only=True, map_location="cpu")
+        # mmap: the tensors are mapped (copy-on-write) onto the page cache the hash has just filled,
+        # so the file comes off the disk once and nothing is copied here; the one copy is the
+        # consumer's (load_state_dict). They are the hashed bytes because a checkpoint is never
+        # rewritten in place: saves write aside and rename, pruning unlinks.
+        state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
         if not isinstance(state, dict) or "model" not in state or not isinstance(state.get("iter"), int):
             raise ValueError(f"{path.name}: not a training checkpoint (needs 'model' and an int 'iter')")
         return LoadedCheckpoint(step=step, path=path, state=state)
