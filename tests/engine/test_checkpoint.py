@@ -30,6 +30,7 @@ def small_slices(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shrink the size thresholds so a few KiB exercise the worker-thread and slicing paths."""
     monkeypatch.setattr(checkpoint, "_PARALLEL_MIN", 1024)
     monkeypatch.setattr(checkpoint, "_SLICE", 2048)
+    monkeypatch.setattr(checkpoint, "_WRITEBACK_EVERY", 4096)
 
 
 class TestHashWhileWriting:
@@ -37,11 +38,24 @@ class TestHashWhileWriting:
     def test_sidecar_is_the_sha256_of_the_file_on_disk(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_slices: None, writeback: bool
     ) -> None:
-        if not writeback:
-            monkeypatch.setattr(checkpoint, "_sync_file_range", None)
+        real = checkpoint._sync_file_range
+        if writeback and real is None:
+            pytest.skip("no sync_file_range on this platform")
+        calls: list[tuple[int, int]] = []
+
+        def spy(fd: int, offset: int, nbytes: int, flags: int) -> int:
+            calls.append((offset, nbytes))
+            assert real is not None
+            return real(fd, offset, nbytes, flags)
+
+        monkeypatch.setattr(checkpoint, "_sync_file_range", spy if writeback else None)
         mgr = CheckpointManager(tmp_path, keep_last=2, is_main=True)
         saved = mgr.save(3, _state(3))
         assert saved is not None
+        if writeback:
+            assert calls and all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:], strict=False)), (
+                f"expected writeback started on consecutive ranges, got {calls}"
+            )
         data = saved.path.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         assert mgr.sidecar_for(saved.path).read_text() == f"{digest}  {saved.path.name}\n", (

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
@@ -20,9 +20,11 @@ _CHUNK = 1 << 20
 # Writes at least this big (tensor data) are hashed on a worker thread while they are written;
 # smaller ones (zip headers, the pickle) are hashed inline, where a hand-off would cost more.
 _PARALLEL_MIN = 1 << 20
-# A large write goes out in slices of this size, and the disk starts on each as soon as it is
-# written, so the final fsync finds little left to do.
-_SLICE = 32 << 20
+# A large write goes out in slices of this size: small enough to stay in the CPU cache between
+# being hashed and being written.
+_SLICE = 4 << 20
+# Writeback of what has been written is started every this many bytes.
+_WRITEBACK_EVERY = 32 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -70,6 +72,7 @@ class _HashingWriter:
         self._fd = f.fileno()
         self._hasher = hasher
         self._sha = hashlib.sha256()
+        self._writeback_from = 0
         self.size = 0
 
     def write(self, data: Any) -> int:
@@ -84,23 +87,28 @@ class _HashingWriter:
         return view.nbytes
 
     def _write_large(self, view: memoryview) -> None:
-        # The worker hashes each slice while this thread writes it (both release the GIL), so a
-        # tensor costs about max(hash, write) rather than their sum. The single worker hashes in
-        # submission order. The buffer is torch's and may be freed once write() returns, so every
-        # hash of it is waited for before returning, also when a write fails.
-        pending: list[Future[None]] = []
-        try:
-            for start in range(0, view.nbytes, _SLICE):
-                part = view[start : start + _SLICE]
-                pending.append(self._hasher.submit(self._sha.update, part))
+        # The worker hashes each slice while this thread writes the same slice (both release the
+        # GIL), so a tensor costs about max(hash, write) rather than their sum, and the slice is read
+        # from memory once: whichever side is second finds it in the cache. The buffer is torch's and
+        # may be freed once write() returns, so no hash of it is ever left running, even on error.
+        for start in range(0, view.nbytes, _SLICE):
+            part = view[start : start + _SLICE]
+            hashed = self._hasher.submit(self._sha.update, part)
+            try:
                 self._f.write(part)
-                if _sync_file_range is not None:
-                    self._f.flush()
-                    _sync_file_range(self._fd, self.size + start, part.nbytes, _SYNC_FILE_RANGE_WRITE)
-        finally:
-            wait(pending)
-        for done in pending:
-            done.result()
+            finally:
+                wait([hashed])
+            hashed.result()
+            self._start_writeback(self.size + start + part.nbytes)
+
+    def _start_writeback(self, end: int) -> None:
+        # Start the disk on what is written so far without waiting for it, so that the final fsync
+        # finds little left to do; dd conv=fsync leaves it all to the end.
+        if _sync_file_range is None or end - self._writeback_from < _WRITEBACK_EVERY:
+            return
+        self._f.flush()
+        _sync_file_range(self._fd, self._writeback_from, end - self._writeback_from, _SYNC_FILE_RANGE_WRITE)
+        self._writeback_from = end
 
     def flush(self) -> None:
         """Flush the underlying file (torch calls this when it is done)."""
