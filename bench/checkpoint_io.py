@@ -3,14 +3,14 @@
     python -m bench.checkpoint_io [--smoke] [--json OUT] [--dir DIR] [--mib N]
 
 Write: `CheckpointManager.save()` of a training state of N MiB (default 1024: a model state_dict of
-float32 tensors plus `iter`), which is the engine's whole save (torch.save to a temp file, fsync,
-sha256 of the file read back, sidecar, rename, directory fsync, pruning), against
+float32 tensors plus `iter`), which is the engine's whole save (torch.save to a temp file, sha256ed
+as it is written, fsync, sidecar, rename, directory fsync, pruning), against
 `dd if=/dev/zero of=F bs=4M count=N/4 conv=fsync` in the same directory.
 
 Read: `CheckpointManager.read()` (sha256 of the file against its sidecar, then
-`torch.load(weights_only=True)`) against `dd if=F of=/dev/null bs=4M`. Both reads start COLD: the
-file's pages are dropped from the page cache first (`posix_fadvise(DONTNEED)` after an fsync, which
-evicts clean pages of that one file, no root needed). Bandwidth = N MiB / seconds; the ratios are
+`torch.load(weights_only=True, mmap=True)`) against `dd if=F of=/dev/null bs=4M`. Both reads start
+COLD: the file's pages are dropped from the page cache first (`posix_fadvise(DONTNEED)` after an
+fsync, which evicts clean pages of that one file, no root needed). Bandwidth = N MiB / seconds; the ratios are
 dptrain bandwidth / dd bandwidth per round (higher is better), rounds interleaved.
 """
 
