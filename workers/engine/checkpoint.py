@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, Any, cast
 
 import torch
 
+from workers.engine.hashed_file import HashedFileWriter
+
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _CHUNK = 1 << 20
-# Writes at least this big (tensor data) are hashed on a worker thread while they are written;
-# smaller ones (zip headers, the pickle) are hashed inline, where a hand-off would cost more.
-_PARALLEL_MIN = 1 << 20
-# A large write goes out in slices of this size: small enough to stay in the CPU cache between
-# being hashed and being written.
-_SLICE = 4 << 20
-# Writeback of what has been written is started every this many bytes.
-_WRITEBACK_EVERY = 32 << 20
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def checkpoint_name(step: int) -> str:
@@ -46,77 +38,23 @@ def sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    # Linux's sync_file_range (not in the os module): starts writeback of a range without waiting.
+@contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    # torch.save computes a CRC32 of every record before writing it: a serial pass over each tensor
+    # on the main thread (a third of the hashing's cost) that nothing here uses, since the sidecar's
+    # sha256 covers every byte and read() checks it before each load. torch.load ignores the field
+    # (its docs say so); only generic zip tools such as `unzip -t` would flag the zeros.
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:  # a torch older than the option always computes it
+        yield
+        return
+    before = get()
+    set_(False)
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-class _HashingWriter:
-    """The file object torch.save writes to: passes every byte on to `f` and sha256es it on the way.
-
-    torch's zip writer only ever appends (it never seeks or tells; this has no `seek`, so a torch
-    that tried would fail loudly rather than get a wrong digest), so the digest is that of the file.
-    """
-
-    def __init__(self, f: BinaryIO, hasher: ThreadPoolExecutor) -> None:
-        self._f = f
-        self._fd = f.fileno()
-        self._hasher = hasher
-        self._sha = hashlib.sha256()
-        self._writeback_from = 0
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        """Write and hash one buffer torch hands over; returns its length."""
-        view = memoryview(data).cast("B")
-        if view.nbytes < _PARALLEL_MIN:
-            self._sha.update(view)
-            self._f.write(view)
-        else:
-            self._write_large(view)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def _write_large(self, view: memoryview) -> None:
-        # The worker hashes each slice while this thread writes the same slice (both release the
-        # GIL), so a tensor costs about max(hash, write) rather than their sum, and the slice is read
-        # from memory once: whichever side is second finds it in the cache. The buffer is torch's and
-        # may be freed once write() returns, so no hash of it is ever left running, even on error.
-        for start in range(0, view.nbytes, _SLICE):
-            part = view[start : start + _SLICE]
-            hashed = self._hasher.submit(self._sha.update, part)
-            try:
-                self._f.write(part)
-            finally:
-                wait([hashed])
-            hashed.result()
-            self._start_writeback(self.size + start + part.nbytes)
-
-    def _start_writeback(self, end: int) -> None:
-        # Start the disk on what is written so far without waiting for it, so that the final fsync
-        # finds little left to do; dd conv=fsync leaves it all to the end.
-        if _sync_file_range is None or end - self._writeback_from < _WRITEBACK_EVERY:
-            return
-        self._f.flush()
-        _sync_file_range(self._fd, self._writeback_from, end - self._writeback_from, _SYNC_FILE_RANGE_WRITE)
-        self._writeback_from = end
-
-    def flush(self) -> None:
-        """Flush the underlying file (torch calls this when it is done)."""
-        self._f.flush()
-
-    def hexdigest(self) -> str:
-        """sha256 of everything written so far."""
-        return self._sha.hexdigest()
+        yield
+    finally:
+        set_(before)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -200,17 +138,12 @@ class CheckpointManager:
         path = self.path_for(step)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            with open(tmp, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256") as hasher:
-                # Hashed on the way out: the file is written once and never read back. Every load
-                # verifies the bytes on disk against this digest.
-                out = _HashingWriter(f, hasher)
-                torch.save(dict(state), cast(IO[bytes], out))  # torch calls only write() and flush()
-                f.flush()
-                os.fsync(f.fileno())
-                digest, size = out.hexdigest(), out.size
-                on_disk = os.fstat(f.fileno()).st_size
-                if size != on_disk:  # cheap proof that the hashed stream is the whole file
-                    raise OSError(f"{tmp.name}: wrote {size} bytes but the file has {on_disk}")
+            with HashedFileWriter(tmp) as out:
+                # Hashed on the way out (and fsynced): the file is written once and never read back.
+                # Every load verifies the bytes on disk against this digest.
+                with _without_zip_crc32():
+                    torch.save(dict(state), cast(IO[bytes], out))  # torch calls only write() and flush()
+                digest, size = out.finish()
             # Sidecar first: then every visible checkpoint already has its checksum next to it.
             _write_atomic(self.sidecar_for(path), f"{digest}  {path.name}\n".encode())
             os.replace(tmp, path)
