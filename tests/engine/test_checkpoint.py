@@ -194,3 +194,35 @@ class TestVerifiedRead:
         assert torch.equal(loaded.state["model"]["odd"], _state(1)["model"]["odd"]), (
             "expected the loaded state to stay intact after its file was pruned"
         )
+
+
+class TestPruning:
+    def test_a_large_pruned_file_is_out_of_sight_at_once_and_gone_after_wait(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(checkpoint, "_UNLINK_IN_BACKGROUND_BYTES", 0)  # every file counts as large
+        mgr = CheckpointManager(tmp_path, keep_last=1, is_main=True)
+        mgr.save(1, _state(1))
+        saved = mgr.save(2, _state(2))
+        assert saved is not None and saved.deleted == [mgr.path_for(1)], f"expected step 1 pruned: {saved}"
+        assert mgr.steps() == [2], f"expected only step 2 listed right after the save, got {mgr.steps()}"
+        assert not mgr.sidecar_for(mgr.path_for(1)).exists(), "expected the pruned sidecar gone"
+        mgr.wait_pruned()
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == ["ckpt-000000002.pt", "ckpt-000000002.pt.sha256"], f"left behind: {names}"
+
+    def test_a_writer_dying_before_the_unlink_leaves_a_file_the_next_one_sweeps(self, tmp_path: Path) -> None:
+        mgr = CheckpointManager(tmp_path, keep_last=1, is_main=True)
+        mgr.save(1, _state(1))
+        leftover = tmp_path / ".ckpt-000000001.pt.tmp-12345-pruned"  # as a killed writer leaves it
+        mgr.path_for(1).rename(leftover)
+        CheckpointManager(tmp_path, keep_last=1, is_main=True)
+        assert not leftover.exists(), "expected the next writer to sweep a pruned file left behind"
+
+
+@pytest.mark.parametrize("size", [0, 1, 8 << 20, (8 << 20) + 3])
+def test_sha256_file_matches_hashlib(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    got = checkpoint.sha256_file(tmp_path / "f")
+    assert got == (hashlib.sha256(data).hexdigest(), size), f"{size} bytes: got {got}"
