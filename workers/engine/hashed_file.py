@@ -45,17 +45,17 @@ class HashedFileWriter:
     """
 
     def __init__(self, path: Path) -> None:
-        self._fd, self.direct = _open(path)
-        self._padded = False
-        self._sha = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256")
-        self._disk = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         ring = memoryview(mmap.mmap(-1, BUFFERS * BUFFER_BYTES))
         self._free = [ring[i * BUFFER_BYTES : (i + 1) * BUFFER_BYTES] for i in range(BUFFERS)]
         self._in_flight: deque[tuple[memoryview, Future[None], Future[None]]] = deque()
         self._buf = self._free.pop()
         self._fill = 0  # bytes in _buf
         self.size = 0  # bytes accepted so far; the file offset of _buf is size - _fill
+        self._padded = False
+        self._sha = hashlib.sha256()
+        self._fd, self.direct = _open(path)  # last: nothing after it can fail and leak the descriptor
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256")
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
 
     def write(self, data: Any) -> int:
         """Take one buffer from torch (copied at once: torch may free it on return); returns its length."""
