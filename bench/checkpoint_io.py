@@ -11,8 +11,8 @@ freed in the background, untimed like dd's unlink of its previous file), against
 Read: `CheckpointManager.read()` (sha256 of the file against its sidecar, then
 `torch.load(weights_only=True, mmap=True)`) against `dd if=F of=/dev/null bs=4M`. Both reads start
 COLD: the file's pages are dropped from the page cache first (`posix_fadvise(DONTNEED)` after an
-fsync, which evicts clean pages of that one file, no root needed). Bandwidth = N MiB / seconds; the ratios are
-dptrain bandwidth / dd bandwidth per round (higher is better), rounds interleaved.
+fsync, which evicts clean pages of that one file, no root needed). Bandwidth = N MiB / seconds; the
+ratios are dptrain bandwidth / dd bandwidth per round (higher is better), rounds interleaved.
 """
 
 from __future__ import annotations

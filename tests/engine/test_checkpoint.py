@@ -143,8 +143,14 @@ class TestHashWhileWriting:
 
         monkeypatch.setattr(hashed_file.os, "pwrite", full_disk)
         # torch's writer then fails its own end-of-file check, so the OSError may arrive wrapped.
-        with pytest.raises((OSError, RuntimeError)):
+        with pytest.raises((OSError, RuntimeError)) as raised:
             mgr.save(2, _state(2))
+        chain: list[BaseException] = []
+        err: BaseException | None = raised.value
+        while err is not None:
+            chain.append(err)
+            err = err.__cause__ or err.__context__
+        assert any(getattr(e, "errno", None) == errno.ENOSPC for e in chain), f"expected ENOSPC in {chain}"
         names = sorted(p.name for p in tmp_path.iterdir())
         assert names == ["ckpt-000000001.pt", "ckpt-000000001.pt.sha256"], f"left behind: {names}"
         monkeypatch.undo()

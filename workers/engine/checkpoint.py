@@ -202,7 +202,10 @@ class CheckpointManager:
         # A temp name: no longer a checkpoint, and swept by the next writer if this process dies
         # before the unlink. Worker threads are joined at interpreter exit, so it does not leak.
         doomed = path.with_name(f".{path.name}.tmp-{os.getpid()}-pruned")
-        os.replace(path, doomed)
+        try:
+            os.replace(path, doomed)
+        except FileNotFoundError:
+            return
         if self._unlinker is None:
             self._unlinker = ThreadPoolExecutor(1, thread_name_prefix="ckpt-unlink")
         self._unlinking = [f for f in self._unlinking if not f.done()]

@@ -52,6 +52,7 @@ class HashedFileWriter:
         self._fill = 0  # bytes in _buf
         self.size = 0  # bytes accepted so far; the file offset of _buf is size - _fill
         self._padded = False
+        self._failed: BaseException | None = None  # a disk error: no write after it is taken
         self._sha = hashlib.sha256()
         self._fd, self.direct = _open(path)  # last: nothing after it can fail and leak the descriptor
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256")
@@ -59,6 +60,10 @@ class HashedFileWriter:
 
     def write(self, data: Any) -> int:
         """Take one buffer from torch (copied at once: torch may free it on return); returns its length."""
+        if self._failed is not None:
+            # torch still writes its end-of-file records after an error; they must not go into
+            # a buffer that may still be in flight.
+            raise OSError("an earlier write of this file failed") from self._failed
         src = memoryview(data).cast("B")
         pos = 0
         while pos < src.nbytes:
@@ -94,8 +99,12 @@ class HashedFileWriter:
         if self._free:
             return self._free.pop()
         view, hashed, written = self._in_flight.popleft()
-        hashed.result()
-        written.result()  # a disk error (ENOSPC...) surfaces here, inside torch.save
+        try:
+            hashed.result()
+            written.result()  # a disk error (ENOSPC...) surfaces here, inside torch.save
+        except BaseException as exc:
+            self._failed = exc
+            raise
         return view
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
