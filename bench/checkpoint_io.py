@@ -3,15 +3,16 @@
     python -m bench.checkpoint_io [--smoke] [--json OUT] [--dir DIR] [--mib N]
 
 Write: `CheckpointManager.save()` of a training state of N MiB (default 1024: a model state_dict of
-float32 tensors plus `iter`), which is the engine's whole save (torch.save to a temp file, fsync,
-sha256 of the file read back, sidecar, rename, directory fsync, pruning), against
+float32 tensors plus `iter`), which is the engine's whole save (torch.save to a temp file, sha256ed
+as it is written, fsync, sidecar, rename, directory fsync, pruning; the pruned file's blocks are
+freed in the background, untimed like dd's unlink of its previous file), against
 `dd if=/dev/zero of=F bs=4M count=N/4 conv=fsync` in the same directory.
 
 Read: `CheckpointManager.read()` (sha256 of the file against its sidecar, then
-`torch.load(weights_only=True)`) against `dd if=F of=/dev/null bs=4M`. Both reads start COLD: the
-file's pages are dropped from the page cache first (`posix_fadvise(DONTNEED)` after an fsync, which
-evicts clean pages of that one file, no root needed). Bandwidth = N MiB / seconds; the ratios are
-dptrain bandwidth / dd bandwidth per round (higher is better), rounds interleaved.
+`torch.load(weights_only=True, mmap=True)`) against `dd if=F of=/dev/null bs=4M`. Both reads start
+COLD: the file's pages are dropped from the page cache first (`posix_fadvise(DONTNEED)` after an
+fsync, which evicts clean pages of that one file, no root needed). Bandwidth = N MiB / seconds; the
+ratios are dptrain bandwidth / dd bandwidth per round (higher is better), rounds interleaved.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def run(smoke: bool = False, directory: Path | None = None, mib: int | None = No
             saved = manager.save(step[0], state, last=True)
             elapsed = time.perf_counter() - start
             assert saved is not None
+            # The pruned file's blocks are freed in the background (as dd_write's unlink, untimed):
+            # let that finish here so it never lands in the next round's timing, of either side.
+            manager.wait_pruned()
             return elapsed
 
         def dd_write() -> float:
