@@ -1,8 +1,19 @@
 """ORM models (SQLAlchemy 2, typed). Alembic migrations are the only source of the schema."""
 
 from service.models.base import Base
-from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric
+from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric, MetricRollup
 from service.models.users import ApiToken, User
 from service.models.workers import Worker
 
-__all__ = ["ApiToken", "Base", "Checkpoint", "Job", "JobTransition", "LogLine", "Metric", "User", "Worker"]
+__all__ = [
+    "ApiToken",
+    "Base",
+    "Checkpoint",
+    "Job",
+    "JobTransition",
+    "LogLine",
+    "Metric",
+    "MetricRollup",
+    "User",
+    "Worker",
+]
