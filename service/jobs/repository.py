@@ -21,6 +21,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
 from service.db import insert_for, is_postgresql
+from service.jobs import metrics_repository, rollups_repository
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
 from service.models.base import utcnow
 
@@ -182,9 +183,20 @@ def cancel_requested(session: Session, *, job_id: str) -> bool:
 
 
 def add_metrics(session: Session, *, rows: list[dict[str, Any]]) -> None:
-    """Insert metric points in one statement."""
-    if rows:
-        session.execute(insert(Metric), rows)
+    """Insert metric points in one statement and bring the rollups of the blocks they touch up to date."""
+    if not rows:
+        return
+    jobs = sorted({row["job_id"] for row in rows})
+    before = {job_id: metrics_repository.max_metric_id(session, job_id=job_id) for job_id in jobs}
+    session.execute(insert(Metric), rows)
+    for job_id in jobs:
+        rollups_repository.record(
+            session,
+            job_id=job_id,
+            rows=[row for row in rows if row["job_id"] == job_id],
+            before_id=before[job_id],
+            max_id=metrics_repository.max_metric_id(session, job_id=job_id),
+        )
 
 
 def add_log_lines(session: Session, *, rows: list[dict[str, Any]]) -> None:
@@ -233,7 +245,7 @@ def stale_queued(session: Session, *, older_than: datetime, limit: int) -> list[
 
 
 def purge_history(session: Session, *, finished_before: datetime, limit: int = 100) -> int:
-    """Delete log lines and metric points of up to `limit` jobs finished before the cutoff.
+    """Delete log lines, metric points and their rollups of up to `limit` jobs finished before the cutoff.
 
     The job row (with its latest metrics and error), its timeline and its checkpoints stay; returns
     how many jobs lost history in this call.
@@ -251,5 +263,6 @@ def purge_history(session: Session, *, finished_before: datetime, limit: int = 1
     )
     if ids:
         session.execute(delete(LogLine).where(LogLine.job_id.in_(ids)))
+        rollups_repository.delete_for_jobs(session, job_ids=ids)
         session.execute(delete(Metric).where(Metric.job_id.in_(ids)))
     return len(ids)
