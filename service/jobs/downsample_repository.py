@@ -23,18 +23,14 @@ from sqlalchemy import (
     ColumnElement,
     Float,
     Integer,
-    Select,
-    Subquery,
+    TextClause,
     and_,
     bindparam,
     cast,
     func,
-    literal,
     select,
     text,
     true,
-    union,
-    union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, distinct_on
 from sqlalchemy.dialects.postgresql import array as pg_array
@@ -94,17 +90,17 @@ def downsampled(
 
 def _expected_rows(intervals: list[Interval]) -> dict[int, tuple[int, ...]]:
     """Rows per level (1 first) that cover each bucket: its blocks not inside a bigger one of it."""
-    sizes = [block_size(level) for level in range(1, LEVELS + 1)]
-    out: dict[int, tuple[int, ...]] = {}
-    for bucket, first, last in intervals:
-        inside = [max(0, (last + 1) // size + (-first // size)) for size in sizes]
-        out[bucket] = (*(inside[i] - FANOUT * inside[i + 1] for i in range(LEVELS - 1)), inside[-1])
-    return out
+    ends = [(first, last + 1) for _, first, last in intervals]
+    # Blocks of each level that lie inside each bucket; those inside a bigger one are not counted.
+    inside = [[max(0, end // size + (-first // size)) for first, end in ends] for size in _SIZES]
+    rows = [
+        [n - FANOUT * up for n, up in zip(inside[i], inside[i + 1], strict=True)] for i in range(LEVELS - 1)
+    ]
+    rows.append(inside[-1])
+    return {iv[0]: counts for iv, counts in zip(intervals, zip(*rows, strict=True), strict=True)}
 
 
-def _min_max(value: Any, step: Any) -> tuple[Any, Any]:
-    """PostgreSQL aggregates of (value, step): min(ARRAY[v, s]) compares the value, then the step."""
-    return func.min(pg_array([value, cast(step, Float)])), func.max(pg_array([value, -cast(step, Float)]))
+_SIZES = [block_size(level) for level in range(1, LEVELS + 1)]
 
 
 def _all_buckets_pg(
@@ -112,10 +108,12 @@ def _all_buckets_pg(
 ) -> tuple[Found, dict[int, tuple[int, ...]]]:
     """Every bucket's minimum and maximum, and the rows found per level, in one statement."""
     job_id, name, up_to_id = series
-    params = {"job_id": job_id, "name": name, "lo": lo, "hi": hi, "buckets": buckets, "up_to_id": up_to_id}
+    params = {"job_id": job_id, "name": name, "lo": lo, "hi": hi, "buckets": buckets, "width": hi - lo + 1}
+    if up_to_id is not None:
+        params["up_to_id"] = up_to_id
     found: Found = {}
     counts: dict[int, tuple[int, ...]] = {}
-    for b, *row in session.execute(_all_buckets_stmt(up_to_id is not None), params):
+    for b, *row in session.execute(_all_buckets_sql(up_to_id is not None), params).all():
         counts[b] = tuple(row[:LEVELS])
         lv, ls, hv, hs = row[LEVELS:]
         found[b] = (0, (lv, int(ls)), (hv, int(hs)))
@@ -123,80 +121,67 @@ def _all_buckets_pg(
 
 
 @functools.cache
-def _all_buckets_stmt(up_to: bool) -> Select[Any]:
-    """The statement of `_all_buckets_pg`, built once (bound parameters; SQLAlchemy caches its SQL)."""
-    u = _candidates(up_to)
-    bucket_col, level_col, lo_v, lo_s, hi_v, hi_s = u.c
-    low, high = _min_max(lo_v, lo_s)[0], _min_max(hi_v, hi_s)[1]
-    counts_per_level = (func.count().filter(level_col == level) for level in range(1, LEVELS + 1))
-    return select(bucket_col, *counts_per_level, low[1], low[2], high[1], high[2]).group_by(bucket_col)
+def _all_buckets_sql(up_to: bool) -> TextClause:
+    """The statement of `_all_buckets_pg` (PostgreSQL; block sizes are code constants, written in).
 
-
-def _candidates(up_to: bool) -> Subquery:
-    """(bucket, level, min value, min step, max value, max step) of every part of every bucket.
-
-    Parts: the whole blocks of the top level, the whole children of every cut block of the level
-    above, and the points (level 0) of every cut level-1 block. Parameters: job_id, name, lo, hi,
-    buckets, up_to_id.
+    Parts of a bucket: the whole blocks of the top level, the whole children of every block of the
+    level above that an edge cuts, and the points (level 0) of every cut level-1 block. An edge is
+    the first step of a bucket (as `bucket_intervals`) or an end of the series; a block holding one
+    past its own first step is cut. Each cut block is read by an index range scan of its own.
     """
-    lo, hi, buckets = (bindparam(k, type_=BigInteger) for k in ("lo", "hi", "buckets"))
 
-    def bucket(step: Any) -> Any:
-        return (step - lo) * buckets // (hi - lo + 1)
+    def bucket(step: str) -> str:
+        return f"(({step}) - :lo) * :buckets / :width"
 
-    # A block that holds one of these steps past its own first step is cut by a bucket edge (or
-    # by an end of the series): the first step of every bucket (as `bucket_intervals`), lo, hi + 1.
-    g = func.generate_series(literal(1, BigInteger), buckets - 1).table_valued("b").render_derived("g")
-    first_steps = lo + (g.c.b * (hi - lo + 1) + buckets - 1) // buckets
-    edges = union(select(first_steps.label("p")).select_from(g), select(lo), select(hi + 1)).cte()
+    def whole(size: int) -> str:
+        start, end = f"r.block * {size}", f"r.block * {size} + {size - 1}"
+        usable = " AND r.max_id <= :up_to_id" if up_to else ""  # a row that may count later points
+        return f"{start} >= :lo AND {end} <= :hi AND {bucket(start)} = {bucket(end)}{usable}"
 
-    def cut(size: int) -> Any:
-        return select((edges.c.p // size).label("block")).where(edges.c.p % size != 0).distinct().subquery()
+    def cut(size: int) -> str:
+        return f"(SELECT DISTINCT p / {size} AS block FROM edges WHERE p % {size} <> 0) AS cut"
 
-    r = MetricRollup
-    parts = []
-    for level in range(LEVELS, 0, -1):
+    def rows(level: int) -> str:
         size = block_size(level)
-        start, end = r.block * size, r.block * size + (size - 1)
-        whole = [start >= lo, end <= hi, bucket(start) == bucket(end)]
-        if up_to:
-            whole.append(r.max_id <= bindparam("up_to_id"))  # a row that may count later points is missed
-        cols = (bucket(start), literal(level), r.min_value, r.min_step, r.max_value, r.max_step)
-        series_level = [r.job_id == bindparam("job_id"), r.name == bindparam("name"), r.level == level]
-        if level == LEVELS:
-            span = r.block.between((lo + (size - 1)) // size, (hi + 1) // size - 1)
-            parts.append(select(*cols).where(*series_level, span, *whole))
-        else:
-            # The children of the blocks of the level above that an edge cuts (the others are whole
-            # there, or outside the series).
-            parents = cut(block_size(level + 1))
-            children = r.block.between(parents.c.block * FANOUT, parents.c.block * FANOUT + (FANOUT - 1))
-            # An index range scan per cut parent. The LIMIT (true: a parent has FANOUT children) keeps
-            # the planner from flattening the LATERAL into a join that filtered every row of the level.
-            rows = select(*cols).where(*series_level, children, *whole).limit(FANOUT).lateral()
-            parts.append(select(*rows.c).select_from(parents).join(rows, true()))
-    cut_blocks = cut(BASE_STEPS)
-    block_start = cut_blocks.c.block * BASE_STEPS
-    steps = Metric.step.between(
-        func.greatest(block_start, lo), func.least(block_start + (BASE_STEPS - 1), hi)
-    )
-    where = [Metric.job_id == bindparam("job_id"), Metric.name == bindparam("name"), steps]
-    if up_to:
-        where.append(Metric.id <= bindparam("up_to_id"))
-    points = (
-        select(Metric.step, Metric.value)
-        .where(*where)
-        .ext(distinct_on(Metric.step))
-        .order_by(Metric.step.desc(), Metric.id.desc())  # a backward scan of the index, no sort
-        .lateral()
-    )
-    p = points.c
+        return (
+            f"SELECT {bucket(f'r.block * {size}')} AS bucket, {level} AS level,"
+            " r.min_value, r.min_step, r.max_value, r.max_step FROM metric_rollups AS r"
+            f" WHERE r.job_id = :job_id AND r.name = :name AND r.level = {level} AND {whole(size)}"
+        )
+
+    top = block_size(LEVELS)
+    parts = [f"{rows(LEVELS)} AND r.block BETWEEN (:lo + {top - 1}) / {top} AND (:hi + 1) / {top} - 1"]
+    # The LIMIT (a block has FANOUT children) keeps the planner from flattening the LATERAL into a
+    # join that filtered every row of the level instead of one index range scan per cut block.
+    parts += [
+        f"SELECT c.* FROM {cut(block_size(level + 1))} CROSS JOIN LATERAL ({rows(level)}"
+        f" AND r.block BETWEEN cut.block * {FANOUT} AND cut.block * {FANOUT} + {FANOUT - 1}"
+        f" LIMIT {FANOUT}) AS c"
+        for level in range(LEVELS - 1, 0, -1)
+    ]
+    up_to_points = " AND m.id <= :up_to_id" if up_to else ""
     parts.append(
-        select(bucket(p.step), literal(0), p.value, p.step, p.value, p.step)
-        .select_from(cut_blocks)
-        .join(points, true())
+        f"SELECT {bucket('p.step')}, 0, p.value, p.step, p.value, p.step FROM {cut(BASE_STEPS)}"
+        " CROSS JOIN LATERAL (SELECT DISTINCT ON (m.step) m.step, m.value FROM metrics AS m"
+        " WHERE m.job_id = :job_id AND m.name = :name"
+        f" AND m.step BETWEEN greatest(cut.block * {BASE_STEPS}, :lo)"
+        f" AND least(cut.block * {BASE_STEPS} + {BASE_STEPS - 1}, :hi){up_to_points}"
+        # Both descending: a backward scan of (job_id, name, step, id), no sort.
+        " ORDER BY m.step DESC, m.id DESC) AS p"
     )
-    return union_all(*parts).subquery()
+    counts = ", ".join(f"count(*) FILTER (WHERE level = {level})" for level in range(1, LEVELS + 1))
+    low = "(min(ARRAY[min_value, CAST(min_step AS float8)]))"
+    high = "(max(ARRAY[max_value, -CAST(max_step AS float8)]))"
+    sql = (
+        "WITH edges AS ("
+        " SELECT :lo + (b * :width + :buckets - 1) / :buckets AS p FROM generate_series(1, :buckets - 1) AS b"
+        " UNION SELECT :lo UNION SELECT :hi + 1),"
+        f" parts AS ({' UNION ALL '.join(parts)})"
+        # min(ARRAY[value, step]) orders by value, then step: the earliest among equal minima.
+        f" SELECT bucket, {counts}, {low}[1], {low}[2], {high}[1], {high}[2] FROM parts GROUP BY bucket"
+    )
+    names = ["lo", "hi", "buckets", "width"] + (["up_to_id"] if up_to else [])
+    return text(sql).bindparams(*(bindparam(n, type_=BigInteger) for n in names))
 
 
 # --- the general path: range by range, any block may lack its row ---------------------------------
@@ -238,6 +223,11 @@ def _by_ranges(session: Session, *, series: Series, intervals: list[Interval]) -
         for i, hit in _raw_summaries(session, series=series, intervals=pending).items():
             take(pending[i][0], hit)
     return out
+
+
+def _min_max(value: Any, step: Any) -> tuple[Any, Any]:
+    """PostgreSQL aggregates of (value, step): min(ARRAY[v, s]) compares the value, then the step."""
+    return func.min(pg_array([value, cast(step, Float)])), func.max(pg_array([value, -cast(step, Float)]))
 
 
 def _fold(found: Found, key: int, hit: tuple[int, Key, Key]) -> None:

@@ -115,109 +115,107 @@ def record(
     `before_id` is the job's newest point id before the insert and `max_id` after it: the points
     up to `before_id` are the ones already there, which an overwritten step or a new row must read.
     """
-    series: dict[str, dict[int, float]] = {}
+    batches: dict[str, dict[int, float]] = {}
     for row in rows:
         # Rows are inserted in list order, so a step given twice keeps its later value (larger id).
-        series.setdefault(row["name"], {})[int(row["step"])] = float(row["value"])
-    out: list[dict[str, Any]] = []
-    for name in sorted(series):
-        merged = _merge_series(session, job_id=job_id, name=name, batch=series[name], before_id=before_id)
-        out += [
+        batches.setdefault(row["name"], {})[int(row["step"])] = float(row["value"])
+    fresh = {name: _levels(batch.items()) for name, batch in batches.items()}
+    stored = _stored(
+        session, job_id=job_id, blocks={name: [set(lv) for lv in f] for name, f in fresh.items()}
+    )
+    merged: dict[tuple[str, int, int], Summary] = {}
+    redo: list[tuple[str, int, int]] = []
+    for name, levels in fresh.items():
+        for level, blocks in enumerate(levels, start=1):
+            for block, new in blocks.items():
+                old = stored.get((name, level, block))
+                if old is not None and old.last_step < new.first_step:
+                    # Appended after every step the row knows: nothing it counted is overwritten.
+                    old.add(new)
+                    merged[(name, level, block)] = old
+                else:
+                    # No row (a new or a sparse block) or steps rewritten: the points already
+                    # there count too, the batch's replacing theirs step by step.
+                    redo.append((name, level, block))
+    if redo:
+        prior = _prior_points(session, job_id=job_id, blocks=redo, before_id=before_id)
+        before = {}
+        for name, points in prior.items():
+            for step in batches[name]:
+                points.pop(step, None)
+            before[name] = _levels(points.items())
+        for name, level, block in redo:
+            s = fresh[name][level - 1][block].copy()
+            if name in before and block in before[name][level - 1]:
+                s.add(before[name][level - 1][block])
+            merged[(name, level, block)] = s
+    _upsert(
+        session,
+        rows=[
             _row(job_id=job_id, name=name, level=level, block=block, summary=s, max_id=max_id)
-            for (level, block), s in sorted(merged.items())
+            # In key order: two writers (a fenced-out attempt and its successor) lock rows alike.
+            for (name, level, block), s in sorted(merged.items())
             if s.points >= MIN_POINTS
-        ]
-    if out:
+        ],
+    )
+
+
+def _upsert(session: Session, *, rows: list[dict[str, Any]]) -> None:
+    if rows:
         stmt = insert_for(session, MetricRollup)
         keys = ("job_id", "name", "level", "block")
         stmt = stmt.on_conflict_do_update(
-            index_elements=list(keys), set_={c: stmt.excluded[c] for c in out[0] if c not in keys}
+            index_elements=list(keys), set_={c: stmt.excluded[c] for c in rows[0] if c not in keys}
         )
-        session.execute(stmt, out)
-
-
-def _merge_series(
-    session: Session, *, job_id: str, name: str, batch: dict[int, float], before_id: int
-) -> dict[tuple[int, int], Summary]:
-    """The new summary of every block of one series that `batch` touched."""
-    fresh = _levels(batch.items())
-    stored = _stored(session, job_id=job_id, name=name, blocks=[set(level) for level in fresh])
-    merged: dict[tuple[int, int], Summary] = {}
-    redo: list[tuple[int, int]] = []
-    for level, blocks in enumerate(fresh, start=1):
-        for block, new in blocks.items():
-            old = stored.get((level, block))
-            if old is not None and old.last_step < new.first_step:
-                # Appended after every step the row knows: nothing it counted is overwritten.
-                old.add(new)
-                merged[(level, block)] = old
-            else:
-                # No row (a new or a sparse block) or steps rewritten: the points already there
-                # decide, with the batch's points replacing theirs step by step.
-                redo.append((level, block))
-    if redo:
-        prior = _prior_points(session, job_id=job_id, name=name, blocks=redo, before_id=before_id)
-        for step in batch:
-            prior.pop(step, None)
-        before = _levels(prior.items())
-        for level, block in redo:
-            s = fresh[level - 1][block].copy()
-            if block in before[level - 1]:
-                s.add(before[level - 1][block])
-            merged[(level, block)] = s
-    return merged
+        session.execute(stmt, rows)
 
 
 def _stored(
-    session: Session, *, job_id: str, name: str, blocks: list[set[int]]
-) -> dict[tuple[int, int], Summary]:
+    session: Session, *, job_id: str, blocks: dict[str, list[set[int]]]
+) -> dict[tuple[str, int, int], Summary]:
     """The stored rows of the touched blocks (read by range of blocks, one statement)."""
     r = MetricRollup
     ranges = [
-        and_(r.level == level, r.block.between(min(b), max(b)))
-        for level, b in enumerate(blocks, start=1)
+        and_(r.name == name, r.level == level, r.block.between(min(b), max(b)))
+        for name, levels in blocks.items()
+        for level, b in enumerate(levels, start=1)
         if b
     ]
-    stmt = select(
-        r.level,
-        r.block,
-        r.points,
-        r.first_step,
-        r.last_step,
-        r.min_value,
-        r.min_step,
-        r.max_value,
-        r.max_step,
-    ).where(r.job_id == job_id, r.name == name, or_(*ranges))
+    cols = (r.points, r.first_step, r.last_step, r.min_value, r.min_step, r.max_value, r.max_step)
+    stmt = select(r.name, r.level, r.block, *cols).where(r.job_id == job_id, or_(*ranges))
     return {
-        (level, block): Summary(points, first, last, (lo_v, lo_s), (hi_v, -hi_s))
-        for level, block, points, first, last, lo_v, lo_s, hi_v, hi_s in session.execute(stmt)
-        if block in blocks[level - 1]
+        (name, level, block): Summary(points, first, last, (lo_v, lo_s), (hi_v, -hi_s))
+        for name, level, block, points, first, last, lo_v, lo_s, hi_v, hi_s in session.execute(stmt)
+        if block in blocks[name][level - 1]
     }
 
 
 def _prior_points(
-    session: Session, *, job_id: str, name: str, blocks: list[tuple[int, int]], before_id: int
-) -> dict[int, float]:
-    """The points up to `before_id` in the given (level, block)s: the last write of each step."""
-    spans = sorted((b * block_size(level), (b + 1) * block_size(level) - 1) for level, b in blocks)
-    runs: list[list[int]] = []
-    for a, b in spans:  # merge overlapping and adjacent spans: a block and its parent are one read
-        if runs and a <= runs[-1][1] + 1:
-            runs[-1][1] = max(runs[-1][1], b)
+    session: Session, *, job_id: str, blocks: list[tuple[str, int, int]], before_id: int
+) -> dict[str, dict[int, float]]:
+    """Per name, the points up to `before_id` in the given blocks: the last write of each step."""
+    spans = sorted(
+        (name, b * block_size(level), (b + 1) * block_size(level) - 1) for name, level, b in blocks
+    )
+    runs: list[list[Any]] = []
+    for name, a, b in spans:  # merge overlapping and adjacent spans: a block and its parent are one read
+        if runs and runs[-1][0] == name and a <= runs[-1][2] + 1:
+            runs[-1][2] = max(runs[-1][2], b)
         else:
-            runs.append([a, b])
+            runs.append([name, a, b])
     stmt = (
-        select(Metric.step, Metric.value)
+        select(Metric.name, Metric.step, Metric.value)
         .where(
             Metric.job_id == job_id,
-            Metric.name == name,
             Metric.id <= before_id,
-            or_(*(Metric.step.between(a, b) for a, b in runs)),
+            or_(*(and_(Metric.name == name, Metric.step.between(a, b)) for name, a, b in runs)),
         )
-        .order_by(Metric.step, Metric.id)
+        .order_by(Metric.name, Metric.step, Metric.id)
     )
-    return {step: value for step, value in session.execute(stmt)}
+    out: dict[str, dict[int, float]] = {}
+    for name, step, value in session.execute(stmt):
+        out.setdefault(name, {})[step] = value
+    return out
 
 
 def _row(*, job_id: str, name: str, level: int, block: int, summary: Summary, max_id: int) -> dict[str, Any]:
@@ -240,29 +238,46 @@ def _row(*, job_id: str, name: str, level: int, block: int, summary: Summary, ma
 def rebuild(session: Session, *, job_id: str) -> int:
     """Recompute every rollup of a job from its raw points (e.g. after writing points in bulk SQL).
 
-    Returns the number of rows written; the result equals what `record` keeps at ingest.
+    Returns the number of rows written; the result equals what `record` keeps at ingest. Reads one
+    top-level block of points at a time.
     """
     session.execute(delete(MetricRollup).where(MetricRollup.job_id == job_id))
     max_id = int(session.execute(select(func.max(Metric.id)).where(Metric.job_id == job_id)).scalar() or 0)
-    names = session.execute(select(Metric.name).where(Metric.job_id == job_id).distinct()).scalars().all()
+    stmt = (
+        select(Metric.name, Metric.step, Metric.value)
+        .where(Metric.job_id == job_id)
+        .order_by(Metric.name, Metric.step, Metric.id)
+        .execution_options(yield_per=20_000)
+    )
+    top = block_size(LEVELS)
     written = 0
-    for name in names:
-        stmt = (
-            select(Metric.step, Metric.value)
-            .where(Metric.job_id == job_id, Metric.name == name)
-            .order_by(Metric.step, Metric.id)
-        )
-        points = {step: value for step, value in session.execute(stmt)}
-        rows = [
-            _row(job_id=job_id, name=name, level=level, block=block, summary=s, max_id=max_id)
-            for level, blocks in enumerate(_levels(points.items()), start=1)
+    rows: list[dict[str, Any]] = []
+    chunk: dict[int, float] = {}
+    key: tuple[str, int] | None = None
+
+    def flush() -> None:
+        assert key is not None
+        rows.extend(
+            _row(job_id=job_id, name=key[0], level=level, block=block, summary=s, max_id=max_id)
+            for level, blocks in enumerate(_levels(chunk.items()), start=1)
             for block, s in blocks.items()
             if s.points >= MIN_POINTS
-        ]
-        if rows:
-            session.execute(insert_for(session, MetricRollup), rows)
-        written += len(rows)
-    return written
+        )
+
+    for name, step, value in session.execute(stmt):
+        if key is not None and key != (name, step // top):
+            flush()
+            chunk = {}
+            if len(rows) >= 5_000:
+                session.execute(insert_for(session, MetricRollup), rows)
+                written, rows = written + len(rows), []
+        key = (name, step // top)
+        chunk[step] = value  # ordered by id within a step: the last write wins
+    if key is not None:
+        flush()
+    if rows:
+        session.execute(insert_for(session, MetricRollup), rows)
+    return written + len(rows)
 
 
 def delete_for_jobs(session: Session, *, job_ids: list[str]) -> None:
