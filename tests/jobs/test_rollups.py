@@ -213,3 +213,23 @@ def test_rollup_query_equals_the_raw_computation_on_sqlite(
         assert used == 2, "both cases must go through the rollups on SQLite too"
         got = metric_series(s, job_id=job_id, since_step=None, names=["loss"], max_points=30, up_to_id=top)
         assert got["loss"] == _expected(final, since_step=None, max_points=30), "up_to_id on SQLite"
+
+
+def test_a_dense_series_is_answered_by_one_statement(
+    client: TestClient, db: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every bucket of a series written through ingest finds all its rows: no bucket is redone."""
+    rng = random.Random(13)
+    job_id = _submit(client)["id"]
+    final = _ingest(db, job_id, "loss", _batches(rng, points=20_000, spacing=1, start=16))
+    redone: list[object] = []
+    general = downsample_repository._by_ranges
+    monkeypatch.setattr(
+        downsample_repository,
+        "_by_ranges",
+        lambda session, *, series, intervals: (
+            redone.extend(intervals) or general(session, series=series, intervals=intervals)
+        ),
+    )
+    _check(db, job_id, final, cases=[(None, 200), (777, 64)])
+    assert redone == [], f"{len(redone)} buckets went to the general path"
