@@ -42,6 +42,9 @@ from service.models import Metric, MetricRollup
 
 # Under this many steps per bucket a bucket holds few whole blocks: reading the points costs as little.
 MIN_BUCKET_STEPS = 2 * BASE_STEPS
+_SIZES = [block_size(level) for level in range(1, LEVELS + 1)]
+# Below the top level a bucket has at most 2 * (FANOUT - 1) rows of a level (its two ragged ends).
+_COUNT_BASE = 1024
 
 Interval = tuple[int, int, int]  # (bucket, first step, last step), or (bucket, first block, last block)
 Series = tuple[str, str, int | None]  # job_id, name, up_to_id
@@ -77,8 +80,7 @@ def downsampled(
         session.execute(text("SET LOCAL jit = off"))
         found, counts = _all_buckets_pg(session, series=series, lo=lo, hi=hi, buckets=buckets)
         expected = _expected_rows(intervals)
-        none = (0,) * LEVELS
-        redo = [iv for iv in intervals if counts.get(iv[0], none) != expected[iv[0]]]
+        redo = [iv for iv in intervals if counts.get(iv[0], 0) != expected[iv[0]]]
         for bucket in found.keys() - {b for b, _, _ in redo}:
             _, low[bucket], high[bucket] = found[bucket]
     if redo:
@@ -88,34 +90,31 @@ def downsampled(
     return sorted(chosen.items())
 
 
-def _expected_rows(intervals: list[Interval]) -> dict[int, tuple[int, ...]]:
-    """Rows per level (1 first) that cover each bucket: its blocks not inside a bigger one of it."""
+def _expected_rows(intervals: list[Interval]) -> dict[int, int]:
+    """Rows per level that cover each bucket (its blocks not inside a bigger one of it), packed."""
     ends = [(first, last + 1) for _, first, last in intervals]
     # Blocks of each level that lie inside each bucket; those inside a bigger one are not counted.
     inside = [[max(0, end // size + (-first // size)) for first, end in ends] for size in _SIZES]
-    rows = [
-        [n - FANOUT * up for n, up in zip(inside[i], inside[i + 1], strict=True)] for i in range(LEVELS - 1)
-    ]
-    rows.append(inside[-1])
-    return {iv[0]: counts for iv, counts in zip(intervals, zip(*rows, strict=True), strict=True)}
-
-
-_SIZES = [block_size(level) for level in range(1, LEVELS + 1)]
+    packed = [0] * len(intervals)
+    for i in range(LEVELS):
+        weight, above = _COUNT_BASE**i, inside[i + 1] if i + 1 < LEVELS else None
+        for k, n in enumerate(inside[i]):
+            packed[k] += weight * (n - FANOUT * above[k] if above is not None else n)
+    return {iv[0]: p for iv, p in zip(intervals, packed, strict=True)}
 
 
 def _all_buckets_pg(
     session: Session, *, series: Series, lo: int, hi: int, buckets: int
-) -> tuple[Found, dict[int, tuple[int, ...]]]:
-    """Every bucket's minimum and maximum, and the rows found per level, in one statement."""
+) -> tuple[Found, dict[int, int]]:
+    """Every bucket's minimum and maximum, and its rows found per level (packed), in one statement."""
     job_id, name, up_to_id = series
     params = {"job_id": job_id, "name": name, "lo": lo, "hi": hi, "buckets": buckets, "width": hi - lo + 1}
     if up_to_id is not None:
         params["up_to_id"] = up_to_id
     found: Found = {}
-    counts: dict[int, tuple[int, ...]] = {}
-    for b, *row in session.execute(_all_buckets_sql(up_to_id is not None), params).all():
-        counts[b] = tuple(row[:LEVELS])
-        lv, ls, hv, hs = row[LEVELS:]
+    counts: dict[int, int] = {}
+    for b, packed, lv, ls, hv, hs in session.execute(_all_buckets_sql(up_to_id is not None), params).all():
+        counts[b] = int(packed)
         found[b] = (0, (lv, int(ls)), (hv, int(hs)))
     return found, counts
 
@@ -169,7 +168,10 @@ def _all_buckets_sql(up_to: bool) -> TextClause:
         # Both descending: a backward scan of (job_id, name, step, id), no sort.
         " ORDER BY m.step DESC, m.id DESC) AS p"
     )
-    counts = ", ".join(f"count(*) FILTER (WHERE level = {level})" for level in range(1, LEVELS + 1))
+    # The rows per level packed in one sum (one aggregate per row instead of one per level): a
+    # bucket has under _COUNT_BASE rows of each level but the top one, whose count is the high digit.
+    weights = " ".join(f"WHEN {level} THEN {_COUNT_BASE ** (level - 1)}" for level in range(1, LEVELS + 1))
+    counts = f"sum(CASE level {weights} ELSE 0 END)"
     low = "(min(ARRAY[min_value, CAST(min_step AS float8)]))"
     high = "(max(ARRAY[max_value, -CAST(max_step AS float8)]))"
     sql = (
