@@ -167,7 +167,7 @@ def _upsert(session: Session, *, rows: list[dict[str, Any]]) -> None:
         stmt = stmt.on_conflict_do_update(
             index_elements=list(keys), set_={c: stmt.excluded[c] for c in rows[0] if c not in keys}
         )
-        session.execute(stmt, rows)
+        session.execute(stmt, rows)  # an executemany, as repository.add_metrics
 
 
 def _stored(
@@ -269,14 +269,13 @@ def rebuild(session: Session, *, job_id: str) -> int:
             flush()
             chunk = {}
             if len(rows) >= 5_000:
-                session.execute(insert_for(session, MetricRollup), rows)
+                _upsert(session, rows=rows)
                 written, rows = written + len(rows), []
         key = (name, step // top)
         chunk[step] = value  # ordered by id within a step: the last write wins
     if key is not None:
         flush()
-    if rows:
-        session.execute(insert_for(session, MetricRollup), rows)
+    _upsert(session, rows=rows)
     return written + len(rows)
 
 
