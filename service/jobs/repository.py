@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import operator
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -213,9 +214,10 @@ def _copy_metrics(session: Session, *, rows: list[dict[str, Any]]) -> None:
     assert driver is not None, "the session's connection is open"
     columns = ("job_id", "attempt", "name", "step", "value")
     sql = f"COPY {Metric.__tablename__} ({', '.join(columns)}) FROM STDIN"
+    fields = operator.itemgetter(*columns)
     with driver.cursor() as cursor, cursor.copy(sql) as copy:
         for row in rows:
-            copy.write_row(tuple(row[c] for c in columns))
+            copy.write_row(fields(row))
 
 
 def add_log_lines(session: Session, *, rows: list[dict[str, Any]]) -> None:
