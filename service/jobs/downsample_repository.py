@@ -85,11 +85,19 @@ def downsampled(
         redo = [iv for iv in intervals if counts.get(iv[0], 0) != expected[iv[0]]]
         for bucket in found.keys() - {b for b, _, _ in redo}:
             _, low[bucket], high[bucket] = found[bucket]
+    elif not _any_rollup(session, job_id=job_id, name=name):
+        return None
     if redo:
         for bucket, (_, lo_key, hi_key) in _by_ranges(session, series=series, intervals=redo).items():
             low[bucket], high[bucket] = lo_key, hi_key
     chosen = {step: value for value, step in low.values()} | {-neg: value for value, neg in high.values()}
     return sorted(chosen.items())
+
+
+def _any_rollup(session: Session, *, job_id: str, name: str) -> bool:
+    r = MetricRollup
+    stmt = select(r.block).where(r.job_id == job_id, r.name == name, r.level == LEVELS).limit(1)
+    return session.execute(stmt).first() is not None
 
 
 def _expected_rows(intervals: list[Interval]) -> dict[int, int]:
@@ -194,10 +202,6 @@ def _all_buckets_sql(up_to: bool) -> TextClause:
 def _by_ranges(session: Session, *, series: Series, intervals: list[Interval]) -> Found:
     """Each bucket's minimum and maximum over its step interval, descending where a row is missing."""
     out: Found = {}
-
-    def take(bucket: int, hit: tuple[int, Key, Key]) -> None:
-        _fold(out, bucket, hit)
-
     pending = intervals
     for level in range(LEVELS, 0, -1):
         size = block_size(level)
@@ -217,7 +221,7 @@ def _by_ranges(session: Session, *, series: Series, intervals: list[Interval]) -
         gaps: list[Interval] = []
         for i, (bucket, first, last) in enumerate(whole):
             if i in found:
-                take(bucket, found[i])
+                _fold(out, bucket, found[i])
             if found.get(i, (0,))[0] < last - first + 1:
                 gaps.append((bucket, first, last))
         if gaps:
@@ -225,7 +229,7 @@ def _by_ranges(session: Session, *, series: Series, intervals: list[Interval]) -
         pending = rest
     if pending:
         for i, hit in _raw_summaries(session, series=series, intervals=pending).items():
-            take(pending[i][0], hit)
+            _fold(out, pending[i][0], hit)
     return out
 
 

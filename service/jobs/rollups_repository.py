@@ -33,6 +33,7 @@ BASE_STEPS = 16
 FANOUT = 16
 LEVELS = 3  # blocks of 16, 256 and 4,096 steps
 MIN_POINTS = 4
+REBUILD_BATCH = 5_000  # rows per write while rebuilding
 
 Key = tuple[float, int]  # (value, step) of a minimum; (value, -step) of a maximum: tuple order picks
 
@@ -268,7 +269,7 @@ def rebuild(session: Session, *, job_id: str) -> int:
         if key is not None and key != (name, step // top):
             flush()
             chunk = {}
-            if len(rows) >= 5_000:
+            if len(rows) >= REBUILD_BATCH:
                 _upsert(session, rows=rows)
                 written, rows = written + len(rows), []
         key = (name, step // top)

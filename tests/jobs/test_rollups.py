@@ -116,7 +116,9 @@ def test_rollup_query_equals_the_raw_computation(
     assert used >= 4, f"expected most cases to go through the rollups, {used} did"
 
 
-def test_rows_are_what_a_rebuild_from_the_raw_points_gives(client: TestClient, db: Session) -> None:
+def test_rows_are_what_a_rebuild_from_the_raw_points_gives(
+    client: TestClient, db: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = random.Random(11)
     job_id = _submit(client)["id"]
     for name, spacing in (("loss", 1), ("lr", 3), ("eval", 250)):
@@ -130,6 +132,7 @@ def test_rows_are_what_a_rebuild_from_the_raw_points_gives(client: TestClient, d
 
     kept = rows()
     assert kept, "ingest must have written rollups"
+    monkeypatch.setattr(rollups_repository, "REBUILD_BATCH", 50)  # writes while still reading points
     written = rollups_repository.rebuild(db, job_id=job_id)
     assert written == len(kept) and rows() == kept, "rows kept at ingest must equal a rebuild from the points"
     sparse = {row for row in kept if row[0] == "eval"}
