@@ -9,7 +9,8 @@ In a throwaway database (migrated to head, dropped afterwards):
   each chunk (`collect()` then `flush()`, exactly what the runner does every report tick). Points
   per second = points / seconds spent in collect + flush (writing the file is the engine's cost);
 - seeding: 100,000 jobs (copies of one real submitted job, INSERT ... SELECT generate_series) and a
-  1,000,000-point `loss` series for one job, then ANALYZE;
+  1,000,000-point `loss` series for one job (bulk SQL, so its rollups are then rebuilt from the
+  points: the rows ingest would have kept, see `rollups_repository.rebuild`), then ANALYZE;
 - queries, through the real API app in-process (FastAPI TestClient, so routing, auth, SQL and
   serialisation count): `GET /v1/jobs/{id}/metrics?name=loss&max_points=2000` and the first page of
   `GET /v1/jobs` (default page size) and a page deep in the list (by cursor). Median of N.
@@ -32,6 +33,7 @@ from sqlalchemy.orm import sessionmaker
 from bench.common import BENCH_TOKEN, Result, finish, parse, result, scratch_database, spread
 from service.app import create_app
 from service.config import Settings
+from service.jobs import rollups_repository
 from service.models import Job
 from workers.reporting import Reporter
 
@@ -126,9 +128,12 @@ def seed(url: str, template_id: str, *, jobs: int, series_job: str, points: int)
             ),
             {"job": series_job, "n": points},
         )
+    with sessionmaker(engine).begin() as session:
+        rollups_repository.rebuild(session, job_id=series_job)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE jobs"))
         conn.execute(text("VACUUM ANALYZE metrics"))
+        conn.execute(text("VACUUM ANALYZE metric_rollups"))
     engine.dispose()
 
 

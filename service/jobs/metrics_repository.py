@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import distinct_on
 from sqlalchemy.orm import Session
 
 from service.db import is_postgresql
+from service.jobs import downsample_repository
 from service.models import Metric
 
 
@@ -53,7 +54,12 @@ def metric_series(
     for name, (n, lo, hi) in extents.items():
         if n <= max_points:
             continue
-        if is_postgresql(session):
+        points = downsample_repository.downsampled(
+            session, job_id=job_id, name=name, lo=lo, hi=hi, max_points=max_points, up_to_id=up_to_id
+        )
+        if points is not None:
+            out[name] = points
+        elif is_postgresql(session):
             out[name] = _downsampled_pg(session, where=where, name=name, lo=lo, hi=hi, max_points=max_points)
         else:
             # SQLite (the embedded service): read the series and bucket it here; slower, same answer.

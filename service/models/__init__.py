@@ -1,7 +1,7 @@
 """ORM models (SQLAlchemy 2, typed). Alembic migrations are the only source of the schema."""
 
 from service.models.base import Base
-from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric
+from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric, MetricRollup
 from service.models.users import ApiToken, User
 from service.models.workers import JobNode, Worker
 
@@ -14,6 +14,7 @@ __all__ = [
     "JobTransition",
     "LogLine",
     "Metric",
+    "MetricRollup",
     "User",
     "Worker",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, Float, ForeignKey, Index, SmallInteger, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.models.base import Base, BigId, utcnow
@@ -101,6 +101,34 @@ class Metric(Base):
     name: Mapped[str] = mapped_column(String(128))
     step: Mapped[int] = mapped_column(BigInteger)
     value: Mapped[float] = mapped_column(Float)
+
+
+class MetricRollup(Base):
+    """The summary of one aligned block of a metric series, kept by the writer of its points.
+
+    Level `level` cuts steps into blocks of `service.jobs.rollups_repository.block_size(level)`;
+    `block` is `step // size`. The row holds what the points of the block (the last write of each
+    step) give the downsampled query: how many, the first and last step, and the minimum and maximum
+    point (the earliest step among equal values). A block with few points has no row: a missing row
+    means "read the level below" (or the raw points), never "empty", so a stored row must be exact.
+    """
+
+    __tablename__ = "metric_rollups"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    block: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    points: Mapped[int]
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    min_step: Mapped[int] = mapped_column(BigInteger)
+    min_value: Mapped[float] = mapped_column(Float)
+    max_step: Mapped[int] = mapped_column(BigInteger)
+    max_value: Mapped[float] = mapped_column(Float)
+    # At least the id of every point in the block (the job's newest id when the row was written): a
+    # reader that must leave out points after some id (`up_to_id`) skips rows above it.
+    max_id: Mapped[int] = mapped_column(BigInteger)
 
 
 class Checkpoint(Base):
