@@ -6,12 +6,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, ScalarSelect, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, ScalarSelect, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus
-from service.models import Checkpoint, Job, JobNode, JobTransition
+from service.models import Checkpoint, Job, JobTransition
 from service.models.base import utcnow
+from service.scheduling import repository as placement
 
 # Which states a job may move to from each state. A running job returns to `queued` only to be
 # restarted (a later issue); terminal states go nowhere.
@@ -61,7 +62,7 @@ def transition(
     if job is None:
         return None
     if src is JobStatus.RUNNING:
-        session.execute(delete(JobNode).where(JobNode.job_id == job_id))
+        placement.release_job(session, job_id=job_id)
     session.execute(
         insert(JobTransition).values(
             job_id=job_id,

@@ -55,10 +55,10 @@ class TestHashWhileWriting:
     def test_sidecar_is_the_sha256_of_the_file_on_disk(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_buffers: None, direct: bool
     ) -> None:
-        if direct and not _takes_o_direct(tmp_path):
-            pytest.skip("this filesystem refuses O_DIRECT")
         if not direct:
             monkeypatch.setattr(hashed_file, "_O_DIRECT", 0)
+        # A filesystem that refuses O_DIRECT (tmpfs) takes the page-cache fallback: same file, same digest.
+        direct = direct and _takes_o_direct(tmp_path)
         opened: list[bool] = []
         real_open = hashed_file._open
 
@@ -93,9 +93,7 @@ class TestHashWhileWriting:
         assert saved is not None and saved.sha256 == hashlib.sha256(saved.path.read_bytes()).hexdigest()
 
     def test_torch_crc32_setting_is_left_as_it_was(self, tmp_path: Path) -> None:
-        get = getattr(torch.serialization, "get_crc32_options", None)
-        if get is None:
-            pytest.skip("this torch has no CRC32 option")
+        get = torch.serialization.get_crc32_options  # torch 2.13 is pinned (constraints.txt)
         mgr = CheckpointManager(tmp_path, keep_last=1, is_main=True)
         mgr.save(1, _state(1))
         assert get() is True, "expected save() to restore torch's CRC32 default"
