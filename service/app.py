@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -9,6 +11,7 @@ from contextlib import asynccontextmanager
 import anyio
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from sqlalchemy.engine import make_url
 
 from service.auth.cache import TokenCache
 from service.auth.tokens import ensure_bootstrap_admin
@@ -17,6 +20,7 @@ from service.dashboard.router import install_dashboard
 from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.errors import install_error_handler
+from service.jobs.poll_cache import JobPollCache, listen
 from service.jobs.router import router as jobs_router
 from service.limits import BodyLimit, TokenBuckets
 from service.ops.metrics import DatabaseCollector, RequestLatency, request_histogram
@@ -42,9 +46,19 @@ def create_app(
         own = app.state.scheduler if isinstance(app.state.scheduler, Scheduler) else None
         if own is not None:
             own.start()
+        listener = None
+        if settings.poll_cache and make_url(settings.database_url).get_backend_name() == "postgresql":
+            conninfo = make_url(settings.database_url).set(drivername="postgresql")
+            listener = asyncio.create_task(
+                listen(app.state.poll_cache, conninfo=conninfo.render_as_string(hide_password=False))
+            )
         try:
             yield
         finally:
+            if listener is not None:
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
             if own is not None:
                 own.stop()
 
@@ -68,6 +82,8 @@ def create_app(
     app.state.metrics_registry = CollectorRegistry()
     app.state.metrics_registry.register(DatabaseCollector(lambda: app.state.session_factory()))
     app.state.token_cache = TokenCache(ttl=settings.auth_cache_seconds)
+    # Off (and empty) until the lifespan's LISTEN connection is up; stays off without PostgreSQL.
+    app.state.poll_cache = JobPollCache()
     # Worker threads for database work besides anyio's default 40 (sync routes): see service.deps.
     app.state.db_limiter = anyio.CapacityLimiter(settings.db_pool_size)
     app.state.commit_limiter = anyio.CapacityLimiter(settings.db_pool_size)

@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     # revoked through this process is refused at once; through another (the CLI, another API
     # process) within this many seconds. 0 looks the token up at every request.
     auth_cache_seconds: float = Field(1.0, ge=0, le=60)
+    # Each API process keeps the JSON of the jobs it served and answers polls of them without a
+    # query, dropping a job's entry when PostgreSQL notifies a committed change (migration 0006;
+    # `service.jobs.poll_cache`). PostgreSQL only; off, every poll reads the database.
+    poll_cache: bool = True
     # How often an open `GET /v1/jobs/{id}/events` stream looks at the database.
     sse_poll_seconds: float = 1.0
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 import anyio
 import anyio.to_thread
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
@@ -47,15 +47,6 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     commit succeeded, so placement never looks for a job whose row is not there yet.
     """
     async with _owned(request, request.app.state.session_factory()) as session:
-        yield session
-
-
-async def get_read_session(request: Request) -> AsyncIterator[Session]:
-    """A session for a request that only reads: each statement commits on its own (no BEGIN, no COMMIT).
-
-    See `service.db.autocommit_reader` for when that gives the same answer as a transaction.
-    """
-    async with _owned(request, autocommit_reader(request.app.state.session_factory)()) as session:
         yield session
 
 
@@ -104,6 +95,22 @@ async def run_in_transaction(session: Session, fn: Callable[..., T], /, *args: A
     return await anyio.to_thread.run_sync(work, limiter=session.info[_DB_LIMITER])
 
 
+async def run_read(request: Request, fn: Callable[..., T], /, **kwargs: Any) -> T:
+    """`fn(session, **kwargs)` on a read-only session of its own, opened and closed in one worker thread.
+
+    For async routes that read only sometimes (a poll the job cache cannot answer): no session
+    dependency to solve on the requests that need none. Each statement commits on its own
+    (`autocommit_reader`).
+    """
+    sessions = autocommit_reader(request.app.state.session_factory)
+
+    def work() -> T:
+        with sessions() as session:
+            return fn(session, **kwargs)
+
+    return await anyio.to_thread.run_sync(work, limiter=request.app.state.db_limiter)
+
+
 def _commit(session: Session) -> None:
     try:
         session.commit()
@@ -128,35 +135,43 @@ async def get_scheduler(request: Request) -> Kicker:
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 # scope="function": commit (and kick placement) before the response is sent, so a 201 means committed.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
-ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 SchedulerDep = Annotated[Kicker, Depends(get_scheduler)]
 
-_bearer = HTTPBearer(auto_error=False)
 
-
-async def get_current_user(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> User:
-    """The user of the bearer token, or 401; 429 once the token spent its rate limit.
+class BearerUser(HTTPBearer):
+    """The user of the request's bearer token, or 401; 429 once the token spent its rate limit.
 
     Looked up in the process's token cache first (`DPTRAIN_AUTH_CACHE_SECONDS`), in the database
     only on a miss; the cached user is detached and read-only.
+
+    An `HTTPBearer` itself (so OpenAPI still shows the bearer scheme) rather than a function that
+    depends on one: every request authenticates, and FastAPI's solving of each dependency level
+    was a tenth of a cached poll's CPU (bench/findings.md, section 4).
     """
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise Unauthorized()
-    digest = hash_token(credentials.credentials)
-    # Counted before the lookup, so a flood with one (even invalid) token costs no database work.
-    limiter: TokenBuckets = request.app.state.rate_limiter
-    wait = limiter.take(digest)
-    if wait is not None:
-        raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
-    cache: TokenCache = request.app.state.token_cache
-    sessions = request.app.state.session_factory
-    user = await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest))
-    if user is None:
-        raise Unauthorized()
-    return user
+
+    def __init__(self) -> None:
+        super().__init__(auto_error=False)
+
+    async def __call__(self, request: Request) -> User:  # type: ignore[override]
+        """Authenticate the request."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized()
+        digest = hash_token(token)
+        # Counted before the lookup, so a flood with one (even invalid) token costs no database work.
+        limiter: TokenBuckets = request.app.state.rate_limiter
+        wait = limiter.take(digest)
+        if wait is not None:
+            raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
+        cache: TokenCache = request.app.state.token_cache
+        sessions = request.app.state.session_factory
+        user = await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest))
+        if user is None:
+            raise Unauthorized()
+        return user
+
+
+get_current_user = BearerUser()
 
 
 def _lookup(sessions: sessionmaker[Session], digest: str) -> User | None:

@@ -53,6 +53,10 @@ def settings(pg_url: str, tmp_path: Path) -> Settings:
         broker_url="memory://",
         artifact_root=tmp_path / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
+        # A test's changes are never committed (rolled back after it), so PostgreSQL never notifies
+        # them and the job cache would keep what a test changed: tests/jobs/test_poll_cache.py
+        # covers the cache on a database whose changes commit.
+        poll_cache=False,
     )
 
 

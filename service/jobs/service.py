@@ -35,6 +35,11 @@ def _visible_owner(user: User) -> int | None:
     return None if user.is_admin else user.id
 
 
+def can_see(user: User, *, owner_id: int) -> bool:
+    """Whether `user` may see a job of `owner_id` (what `get_visible` checks in its query)."""
+    return _visible_owner(user) in (None, owner_id)
+
+
 def to_schema(job: JobRow, *, owner: str) -> Job:
     """The wire form of a job row."""
     return Job(

@@ -38,6 +38,8 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
         artifact_root=tmp / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
         db_pool_size=2,
+        # The database path of every poll; tests/jobs/test_poll_cache.py covers the job cache.
+        poll_cache=False,
     )
     drop_database(url)
 

@@ -13,7 +13,7 @@ from service.app import create_app
 from service.config import Settings
 from service.models import Metric
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.jobs.test_router import _submit
+from tests.jobs.test_router import SPEC, _submit
 
 
 @pytest.fixture
@@ -74,3 +74,11 @@ def test_workers_and_job_times_are_aware_utc_on_sqlite(sqlite_client: TestClient
     assert w["status"] == "alive" and aware, f"expected an alive worker with an aware UTC heartbeat: {w}"
     job = _submit(sqlite_client)
     assert job["created_at"].endswith(("Z", "+00:00")), f"expected an aware UTC created_at, got {job}"
+
+
+def test_sqlite_runs_without_the_job_cache(sqlite_client: TestClient) -> None:
+    # No NOTIFY on SQLite, so nothing could drop a kept answer: every poll reads the database.
+    job = sqlite_client.post("/v1/jobs", json=SPEC).json()
+    assert sqlite_client.get(f"/v1/jobs/{job['id']}").status_code == 200
+    cache = sqlite_client.app.state.poll_cache  # type: ignore[attr-defined]
+    assert not cache.enabled and cache.get(job["id"]) is None
