@@ -80,9 +80,8 @@ def record_created(session: Session, *, job: Job) -> None:
     """The first entry of a job's timeline."""
     # A plain INSERT rather than session.add(): the unit of work's flush costs more than the row.
     session.execute(
-        insert(JobTransition).values(
-            job_id=job.id, at=job.created_at, from_status=None, to_status=job.status, attempt=0
-        )
+        insert(JobTransition),
+        {"job_id": job.id, "at": job.created_at, "from_status": None, "to_status": job.status, "attempt": 0},
     )
 
 

@@ -67,14 +67,21 @@ def insert_job(session: Session, *, values: dict[str, Any]) -> Job | None:
     On PostgreSQL a conflicting insert waits for the other transaction to commit or roll back, so
     None means the winner is committed and readable by the next statement.
     """
-    stmt = (
-        insert_for(session, Job)
-        .values(**values)
-        .on_conflict_do_nothing(index_elements=[Job.owner_id, Job.idempotency_key])
-        # The whole row back as an ORM object: no second round trip to load what was just written.
-        .returning(Job)
-    )
-    return session.execute(stmt).scalar_one_or_none()
+    # One statement per dialect, built once, with the row as parameters: `.values(**row)` made a
+    # new statement per submit whose cache key SQLAlchemy had to work out from the values each time.
+    stmt = _INSERT_JOB.get(session.get_bind().dialect.name)
+    if stmt is None:
+        stmt = _INSERT_JOB.setdefault(
+            session.get_bind().dialect.name,
+            insert_for(session, Job)
+            .on_conflict_do_nothing(index_elements=[Job.owner_id, Job.idempotency_key])
+            # The whole row back as an ORM object: no second round trip to load what was just written.
+            .returning(Job),
+        )
+    return session.execute(stmt, values).scalar_one_or_none()
+
+
+_INSERT_JOB: dict[str, Any] = {}
 
 
 def by_idempotency_key(session: Session, *, owner_id: int, key: str) -> Job | None:

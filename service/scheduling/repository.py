@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import Table, bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.db import is_postgresql
 from service.models import Job, JobNode, Worker
+
+
+class QueuedNeeds(NamedTuple):
+    """What a queued job asks for, as placement reads it from its spec's `resources`."""
+
+    device: str
+    nodes: int
+    processes_per_node: int
 
 
 def lock_live_nodes(session: Session, *, beat_after: datetime) -> Sequence[Worker]:
@@ -40,15 +48,28 @@ def ports_in_use(session: Session) -> set[int]:
     return {int(p) for p in ports if p is not None}
 
 
-def queued_in_order(session: Session, *, limit: int) -> Sequence[tuple[str, int, dict[str, Any], str | None]]:
-    """(id, owner id, spec, queued reason) of the first `limit` queued jobs: highest priority, then oldest."""
+def queued_in_order(session: Session, *, limit: int) -> Sequence[tuple[str, int, QueuedNeeds, str | None]]:
+    """(id, owner id, needs, queued reason) of the first `limit` queued jobs: top priority, then oldest."""
+    # Only the three resource fields, extracted by the database: decoding every queued job's whole
+    # spec was half of an API process's CPU under a stream of submits (bench/findings.md, section 4).
+    resources = Job.spec["resources"]
     stmt = (
-        select(Job.id, Job.owner_id, Job.spec, Job.queued_reason)
+        select(
+            Job.id,
+            Job.owner_id,
+            resources["device"].as_string(),
+            resources["nodes"].as_integer(),
+            resources["processes_per_node"].as_integer(),
+            Job.queued_reason,
+        )
         .where(Job.status == "queued")
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
         .limit(limit)
     )
-    return [(j, int(o), dict(s), r) for j, o, s, r in session.execute(stmt)]
+    return [
+        (job_id, int(owner), QueuedNeeds(device or "cpu", int(nodes or 1), int(per_node or 1)), reason)
+        for job_id, owner, device, nodes, per_node, reason in session.execute(stmt)
+    ]
 
 
 def running_per_owner(session: Session) -> dict[int, int]:
@@ -57,13 +78,23 @@ def running_per_owner(session: Session) -> dict[int, int]:
     return {int(o): int(n) for o, n in session.execute(stmt)}
 
 
-def set_reason(session: Session, *, job_id: str, reason: str) -> None:
-    """Record why a queued job waits, only if that changed (a change bumps updated_at: clients see it)."""
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == "queued", Job.queued_reason.is_distinct_from(reason))
-        .values(queued_reason=reason)
+def set_reasons(session: Session, *, reasons: dict[str, str]) -> None:
+    """Record why queued jobs wait, each only if it changed (a change bumps updated_at: clients see it)."""
+    if not reasons:
+        return
+    # One executemany (psycopg pipelines it) instead of a statement and a round trip per job: a
+    # stream of submits gives every round a batch of new jobs to explain.
+    jobs = cast(Table, Job.__table__)
+    stmt = (
+        update(jobs)
+        .where(
+            jobs.c.id == bindparam("job_id"),
+            jobs.c.status == "queued",
+            jobs.c.queued_reason.is_distinct_from(bindparam("reason")),
+        )
+        .values(queued_reason=bindparam("reason"))  # and updated_at, by the column's onupdate
     )
+    session.connection().execute(stmt, [{"job_id": j, "reason": r} for j, r in reasons.items()])
 
 
 def add_nodes(session: Session, *, rows: list[dict[str, Any]]) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from typing import Protocol
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -13,6 +15,12 @@ from service.dispatch import Dispatcher
 from service.scheduling.service import schedule_once
 
 log = logging.getLogger(__name__)
+
+# A kick after a quiet spell starts a round at once (a job submitted to an idle cluster starts
+# without delay). Under a stream of submits, rounds would otherwise run back to back, each reading
+# up to SCAN_LIMIT queued jobs: about 10 ms of CPU each, a fifth of a core per API process at
+# 250 submits/s (bench/findings.md, section 4). This spaces them out: at most 5 rounds a second.
+MIN_GAP_SECONDS = 0.2
 
 
 class Kicker(Protocol):
@@ -40,11 +48,18 @@ class Scheduler(threading.Thread):
         self.kicked.set()
 
     def run(self) -> None:
+        last = -math.inf
         while not self.stopped.is_set():
             self.kicked.wait(self.settings.schedule_interval_seconds)
-            self.kicked.clear()
             if self.stopped.is_set():
                 break
+            # Kicks within MIN_GAP_SECONDS of the last round's start wait for the rest of the gap,
+            # and the kicks that come meanwhile join them (cleared only now).
+            gap = last + MIN_GAP_SECONDS - time.monotonic()
+            if gap > 0 and self.stopped.wait(gap):
+                break
+            self.kicked.clear()
+            last = time.monotonic()
             try:
                 schedule_once(sessions=self.sessions, dispatcher=self.dispatcher, settings=self.settings)
             except Exception:  # noqa: BLE001 - e.g. the database restarting: the next round tries again

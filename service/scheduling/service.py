@@ -39,6 +39,9 @@ class Placed:
     starts: list[NodeStart]
 
 
+NO_PORT = "waiting for a free rendezvous port (every DPTRAIN_RENDEZVOUS_PORT_* port is in use)"
+
+
 def live_after(settings: Settings) -> timedelta:
     """How recent a heartbeat must be for placement to use the node."""
     return timedelta(seconds=LIVE_BEATS * settings.worker_heartbeat_seconds)
@@ -62,11 +65,11 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
         Pending(
             job_id=job_id,
             owner_id=owner,
-            device=str(spec["resources"].get("device", "cpu")),
-            nodes=int(spec["resources"].get("nodes", 1)),
-            processes_per_node=int(spec["resources"].get("processes_per_node", 1)),
+            device=needs.device,
+            nodes=needs.nodes,
+            processes_per_node=needs.processes_per_node,
         )
-        for job_id, owner, spec, _ in queued
+        for job_id, owner, needs, _ in queued
     ]
     reasons = {job_id: reason for job_id, _, _, reason in queued}
     decisions = decide(
@@ -76,22 +79,25 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
         max_running=settings.max_running_jobs_per_user,
     )
     ports = repository.ports_in_use(session)
-    placed = []
+    placed: list[Placed] = []
+    waits: dict[str, str] = {}
     for job, decision in zip(pending, decisions, strict=True):
         if not decision.placed:
             if decision.reason is not None and decision.reason != reasons[job.job_id]:
-                repository.set_reason(session, job_id=job.job_id, reason=decision.reason)
+                waits[job.job_id] = decision.reason
             continue
         port = None
         if job.nodes > 1:
             port = _free_port(ports, settings=settings)
             if port is None:
-                reason = "waiting for a free rendezvous port (every DPTRAIN_RENDEZVOUS_PORT_* port is in use)"
-                repository.set_reason(session, job_id=job.job_id, reason=reason)
+                waits[job.job_id] = (
+                    "waiting for a free rendezvous port (every DPTRAIN_RENDEZVOUS_PORT_* port is in use)"
+                )
                 continue
             ports.add(port)
         if (started := _start(session, job=job, decision=decision, port=port)) is not None:
             placed.append(started)
+    repository.set_reasons(session, reasons=waits)
     return placed
 
 
