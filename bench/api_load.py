@@ -4,12 +4,14 @@
 
 `dptrain api` (uvicorn, `--api-workers` processes, default 2 on this 2-core target; rate limit off,
 everything else the production defaults) on a fresh PostgreSQL database with Redis as the broker,
-no worker (submitted jobs stay queued; the queue is deleted afterwards). The load comes from
-`bench.loadgen`, a separate process holding 50 keep-alive connections in a closed loop (each sends
-its next request when the answer arrives), and shares the 2 cores with the API and PostgreSQL.
+no worker (submitted jobs stay queued, each with its reason; placement runs in the API processes).
+The load comes from a separate process holding 50 keep-alive connections in a closed loop (each
+sends its next request when the answer arrives), sharing the 2 cores with the API and PostgreSQL:
+Debian's `wrk` (one thread, `bench/wrk_report.lua`) where it is installed, as the issue suggests,
+else `bench.loadgen` (Python; it takes about twice wrk's CPU per request from the server).
 
 Three runs, each after a short warm-up of the same kind:
-- submits: `POST /v1/jobs` with a small `mlp` spec (each creates a job and publishes it to Redis);
+- submits: `POST /v1/jobs` with a small `mlp` spec (each creates a queued job);
 - polls: `GET /v1/jobs/{id}` answered 200 with the body;
 - conditional polls: the same with `If-None-Match: <its ETag>`, answered 304.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,6 +42,11 @@ SPEC = {
 }
 
 
+def generator() -> str:
+    """`wrk` where Debian's package is installed (C: less CPU per request), else `bench.loadgen`."""
+    return "wrk" if shutil.which("wrk") else "bench.loadgen"
+
+
 def loadgen(
     url: str,
     *,
@@ -48,7 +56,10 @@ def loadgen(
     duration: float,
     max_requests: int,
 ) -> dict[str, Any]:
-    """Run `bench.loadgen` as its own process and return its figures."""
+    """Run the load generator as its own process and return its figures (bench.loadgen's JSON)."""
+    all_headers = [f"Authorization: Bearer {BENCH_TOKEN}", *headers]
+    if generator() == "wrk":
+        return _wrk(url, method=method, headers=all_headers, body=body, duration=duration)
     cmd = [
         sys.executable,
         "-m",
@@ -58,8 +69,7 @@ def loadgen(
         f"--concurrency={CONCURRENCY}",
         f"--duration={duration}",
         f"--max-requests={max_requests}",
-        f"--header=Authorization: Bearer {BENCH_TOKEN}",
-        *(f"--header={h}" for h in headers),
+        *(f"--header={h}" for h in all_headers),
         *([f"--body-file={body}"] if body else []),
     ]
     proc = subprocess.run(
@@ -68,6 +78,34 @@ def loadgen(
     if proc.returncode != 0:
         raise RuntimeError(f"loadgen failed: {proc.stderr[-3000:]}")
     return dict(json.loads(proc.stdout))
+
+
+def _wrk(
+    url: str, *, method: str, headers: Sequence[str], body: Path | None, duration: float
+) -> dict[str, Any]:
+    # One wrk thread holding CONCURRENCY keep-alive connections, a closed loop like bench.loadgen;
+    # bench/wrk_report.lua builds the request and prints the figures with the count per status.
+    env = bench_env(WRK_METHOD=method, WRK_BODY_FILE=str(body or ""), WRK_HEADERS="\n".join(headers))
+    cmd = [
+        "wrk",
+        "-t1",
+        f"-c{CONCURRENCY}",
+        f"-d{max(1, round(duration))}s",
+        "--timeout=30s",
+        "-s",
+        str(ROOT / "bench" / "wrk_report.lua"),
+        url,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=duration + 120)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("WRK_JSON ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(line.removeprefix("WRK_JSON "))
+    if out.pop("socket_errors"):
+        out["statuses"]["socket error"] = 1  # fails the status check below: no request may fail
+    out["per_s"] = out["requests"] / out["seconds"]
+    out["concurrency"] = CONCURRENCY
+    return out
 
 
 def _settled_etag(http: Any, job_url: str, timeout: float = 30.0) -> str:
@@ -123,8 +161,8 @@ def run(smoke: bool = False, api_workers: int | None = None) -> dict[str, Result
         for name, x in runs.items()
     ]
     notes.append(
-        f"`dptrain api --workers {api_workers}`, {CONCURRENCY} keep-alive connections from `bench.loadgen` "
-        "(a separate Python process on the same 2 cores)"
+        f"`dptrain api --workers {api_workers}`, {CONCURRENCY} keep-alive connections from `{generator()}` "
+        "(a separate process on the same 2 cores)"
     )
     return {
         "api_submits_per_s": result(
