@@ -5,9 +5,10 @@
 Both sides train the same recipe model (same seed, so the same initial weights), on the same
 in-memory data, with the same SGD (lr, momentum, weight decay) for the same steps, in this process,
 with one intra-op thread (as the worker runs each rank). The engine side is the real job code
-path: `Trainer.train()` with the job's default engine options (a metrics event written to a real
-events file every step, the loss checked for finiteness every step); only checkpoint writing is
-left out (a checkpoint manager that never saves), since benchmark 6 measures that and a plain loop has none.
+path: `Trainer.train()` with the job's default engine options (a metrics event for every step,
+written to a real events file per window of steps, the loss checked for finiteness every step);
+only checkpoint writing is left out (a checkpoint manager that never saves), since benchmark 6
+measures that and a plain loop has none.
 Rounds alternate (ABBA) and each ratio is engine seconds / plain seconds of one round.
 """
 

@@ -5,10 +5,12 @@
 Both sides are launched the same way (`python -m torch.distributed.run --standalone
 --nproc-per-node 2`, one OpenMP thread per rank) and train the same MLP shape on the same amount of
 data with the same SGD for the same steps. Only the training loop is timed, not process start-up:
-the engine's from its `started` event (emitted after DDP is built and ITER broadcast) to its last
-`metrics` event; the baseline's (`bench/baselines/ddp_mlp.py`) from a barrier before the first step
-to the end of the last. The engine runs with the job defaults (a `metrics` event, and so a loss
-allreduce, every step); only checkpoints are pushed past the last step (benchmark 6 measures them).
+the engine's from its `started` event (emitted after DDP is built and ITER broadcast) to the `time`
+of its last `metrics` event (when the last step ended); the baseline's (`bench/baselines/ddp_mlp.py`)
+from a barrier before the first step to the end of the last. The engine runs with the job defaults
+(a `metrics` event for every step, with the global mean loss: reported per window, one loss
+allreduce and one write per window, see docs/engine.md); only checkpoints are pushed past the last
+step (benchmark 6 measures them).
 Launches alternate (ABBA); each ratio is engine loop seconds / baseline loop seconds.
 """
 

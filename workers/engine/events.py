@@ -6,6 +6,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,7 +33,7 @@ def describe(exc: BaseException) -> tuple[str, str]:
 
 
 class EventWriter:
-    """Appends one JSON object per line to RUN_DIR/events/rank{RANK}.jsonl, flushed after each line."""
+    """Appends one JSON object per line to RUN_DIR/events/rank{RANK}.jsonl, flushed after each emit."""
 
     def __init__(self, path: str | os.PathLike[str], rank: int) -> None:
         self.path = Path(path)
@@ -50,6 +51,17 @@ class EventWriter:
             self._f.write(json.dumps(event) + "\n")
             self._f.flush()
         return event
+
+    def emit_many(self, type_: str, items: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Write one `type_` event per item (an item may set its own `time`), in one write and one flush."""
+        now = time.time()
+        events: list[dict[str, Any]] = [{"type": type_, "time": now, **fields} for fields in items]
+        if self._f is not None and events:
+            # Still one line per event, all in a single write: readers (workers/tail.py) take whole
+            # lines only, so a batch is never seen cut except by a crash mid-write, as for one event.
+            self._f.write("".join(json.dumps(e) + "\n" for e in events))
+            self._f.flush()
+        return events
 
     def error(self, exc: BaseException) -> dict[str, Any]:
         """Record `exc` (type, message, traceback tail) as this rank's error event."""

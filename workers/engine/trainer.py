@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
+from workers.engine.metrics_window import MetricsWindow
 from workers.engine.recipes import Plan
 from workers.engine.sharding import gather_state, optimizer_param_names, slice_state
 from workers.engine.sparse import (
@@ -87,8 +87,6 @@ class Trainer:
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
         self.local_sgd: LocalSGD | None = None  # built by wrap() for engine.mode "local_sgd" at world > 1
         self.sparse_sync: SparseGradSync | None = None  # set by wrap() at world > 1 for sparse-grad params
-        # The logged loss's allreduce, started in _step and collected by train() (see _start_loss_mean).
-        self._loss_mean: tuple[torch.Tensor, Any] | None = None
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -276,7 +274,6 @@ class Trainer:
         if not math.isfinite(float(local_loss)):
             # Stop before the update spreads NaN into the weights; the rank is named in the error event.
             raise FloatingPointError(f"non-finite loss at step {it + 1} on rank {self.env.rank}")
-        self._start_loss_mean(it + 1, local_loss)
         self.optimizer.step()
         if self.local_sgd is not None:
             self.local_sgd.after_step(it)  # before zero_grad: torch's averager skips grad-less params
@@ -285,29 +282,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._average_buffers()
         return local_loss
-
-    def _start_loss_mean(self, step: int, local_loss: torch.Tensor) -> None:
-        """On a logging step at world > 1, start the loss allreduce now and let train() collect it.
-
-        Issued before the optimizer step, it runs while the optimizer works instead of stalling every
-        rank on a collective of its own after the step (bench.engine_world2). Every rank issues it at
-        the same point of the same steps, and process groups run collectives in issue order, so it
-        never crosses DDP's bucket allreduces or the buffer averaging. Same sum, same division.
-        """
-        e, total = self.cfg.engine, self.cfg.training.steps
-        if D.active(self.env) and (step % e.log_every_steps == 0 or step == total):
-            t = local_loss.detach().clone()
-            self._loss_mean = (t, dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True))
-
-    def _global_loss(self, loss: torch.Tensor) -> float:
-        """The mean over ranks of this step's loss (collecting the allreduce _step started, if any)."""
-        pending, self._loss_mean = self._loss_mean, None
-        if pending is None:
-            return float(D.mean_across_ranks(self.env, loss).item())
-        t, work = pending
-        work.wait()
-        t /= self.env.world_size
-        return float(t.item())
 
     def train(self) -> None:
         """Resume, sync ranks (FinalizeAfterCheckpoint), then step to `steps`, logging and checkpointing."""
@@ -326,36 +300,35 @@ class Trainer:
                 device=self.device.type,
                 backend=self.backend or "none",
             )
-        log_every = self.cfg.engine.log_every_steps
-        window_start, window_steps = time.perf_counter(), 0
+        # Logged steps are reported per window (one loss allreduce, one write): see metrics_window.py.
+        metrics = MetricsWindow(
+            env=self.env,
+            device=self.device,
+            events=self.events,
+            global_batch_size=self.cfg.training.global_batch_size,
+            log_every=self.cfg.engine.log_every_steps,
+            total_steps=total,
+            start_step=self.iter,
+        )
         while self.iter < total:
             if self.fault is not None:
                 self.fault.maybe_fire(self.env.rank, self.iter)
             loss = self._step(self.iter)
             self.iter += 1
-            window_steps += 1
             last = self.iter == total
-            if self.iter % log_every == 0 or last:
-                # The only extra collective, and only on logging steps, to keep the hot path lean.
-                global_loss = self._global_loss(loss)
-                elapsed = time.perf_counter() - window_start
-                if main:
-                    values = {
-                        "loss": global_loss,
-                        "lr": float(self.optimizer.param_groups[0]["lr"]),
-                        "samples_per_s": self.cfg.training.global_batch_size * window_steps / elapsed,
-                        "step_time_s": elapsed / window_steps,
-                    }
-                    if self.grad_norm is not None:
-                        # From averaged grads, so identical on every rank: no collective (in a LocalSGD
-                        # local step it is rank 0's own).
-                        values["grad_norm"] = float(self.grad_norm.item())
-                    self.events.emit("metrics", step=self.iter, values=values)
-                window_start, window_steps = time.perf_counter(), 0
+            save = self.checkpoints.should_save(self.iter, last)  # a function of the step: same on all ranks
+            if metrics.logs(self.iter):
+                lr = float(self.optimizer.param_groups[0]["lr"])
+                metrics.record(self.iter, loss=loss, lr=lr, grad_norm=self.grad_norm)
+            # Flushed at the last step and before a save, so every metrics event precedes the checkpoint
+            # or finished event after it; the decision depends on steps only, so every rank issues the
+            # flush's allreduce at the same point.
+            metrics.maybe_flush(self.iter, force=last or save)
             # Sharded parameters are gathered to rank 0 for the save: every rank takes part then.
-            if (main or self.sharded) and self.checkpoints.should_save(self.iter, last):
+            if (main or self.sharded) and save:
                 self._save(last)
-                window_start, window_steps = time.perf_counter(), 0  # keep save time out of step timing
+            if save:
+                metrics.restart_clock(self.iter)  # keep save time out of step timing
         # No rank reports success before every rank has finished its last step.
         D.barrier(self.env)
         if main:
