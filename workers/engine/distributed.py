@@ -85,15 +85,6 @@ def broadcast_int(env: DistEnv, value: int, device: torch.device, src: int = 0) 
     return int(t.item())
 
 
-def mean_across_ranks(env: DistEnv, t: torch.Tensor) -> torch.Tensor:
-    """Mean of `t` over ranks (a copy; `t` is untouched)."""
-    t = t.detach().clone()
-    if active(env):
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= env.world_size
-    return t
-
-
 def barrier(env: DistEnv) -> None:
     """Wait for all ranks (no-op for a single rank)."""
     if active(env):
