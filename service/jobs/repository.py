@@ -69,16 +69,15 @@ def insert_job(session: Session, *, values: dict[str, Any]) -> Job | None:
     """
     # One statement per dialect, built once, with the row as parameters: `.values(**row)` made a
     # new statement per submit whose cache key SQLAlchemy had to work out from the values each time.
-    stmt = _INSERT_JOB.get(session.get_bind().dialect.name)
-    if stmt is None:
-        stmt = _INSERT_JOB.setdefault(
-            session.get_bind().dialect.name,
+    dialect = session.get_bind().dialect.name
+    if dialect not in _INSERT_JOB:
+        _INSERT_JOB[dialect] = (
             insert_for(session, Job)
             .on_conflict_do_nothing(index_elements=[Job.owner_id, Job.idempotency_key])
             # The whole row back as an ORM object: no second round trip to load what was just written.
-            .returning(Job),
+            .returning(Job)
         )
-    return session.execute(stmt, values).scalar_one_or_none()
+    return session.execute(_INSERT_JOB[dialect], values).scalar_one_or_none()
 
 
 _INSERT_JOB: dict[str, Any] = {}
