@@ -4,11 +4,11 @@
 
 Write: `CheckpointManager.save()` of a training state of N MiB (default 1024: a model state_dict of
 float32 tensors plus `iter`), which is the engine's whole save (torch.save to a temp file, sha256ed
-as it is written, fsync, sidecar, rename, directory fsync, pruning; the pruned file's blocks are
+and XXH3-hashed as it is written, fsync, sidecars, rename, directory fsync, pruning; the pruned file's blocks are
 freed in the background, untimed like dd's unlink of its previous file), against
 `dd if=/dev/zero of=F bs=4M count=N/4 conv=fsync` in the same directory.
 
-Read: `CheckpointManager.read()` (sha256 of the file against its sidecar, then
+Read: `CheckpointManager.read()` (XXH3-128 of the file against its `.xxh128` sidecar, then
 `torch.load(weights_only=True, mmap=True)`) against `dd if=F of=/dev/null bs=4M`. Both reads start
 COLD: the file's pages are dropped from the page cache first (`posix_fadvise(DONTNEED)` after an
 fsync, which evicts clean pages of that one file, no root needed). Bandwidth = N MiB / seconds; the

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from workers.engine import checkpoint, hashed_file
 from workers.engine.checkpoint import CheckpointManager
@@ -76,6 +77,10 @@ class TestHashWhileWriting:
         digest = hashlib.sha256(data).hexdigest()
         assert mgr.sidecar_for(saved.path).read_text() == f"{digest}  {saved.path.name}\n", (
             f"expected the sidecar to hold the sha256 of the file's bytes ({digest})"
+        )
+        fast = xxhash.xxh3_128(data).hexdigest()
+        assert mgr.fast_sidecar_for(saved.path).read_text() == f"{fast}  {saved.path.name}\n", (
+            f"expected the .xxh128 sidecar to hold the XXH3-128 of the file's bytes ({fast})"
         )
         assert (saved.sha256, saved.size_bytes) == (digest, len(data)), (
             f"expected sha256/size {digest}/{len(data)}, got {saved.sha256}/{saved.size_bytes}"
@@ -150,7 +155,11 @@ class TestHashWhileWriting:
             err = err.__cause__ or err.__context__
         assert any(getattr(e, "errno", None) == errno.ENOSPC for e in chain), f"expected ENOSPC in {chain}"
         names = sorted(p.name for p in tmp_path.iterdir())
-        assert names == ["ckpt-000000001.pt", "ckpt-000000001.pt.sha256"], f"left behind: {names}"
+        assert names == [
+            "ckpt-000000001.pt",
+            "ckpt-000000001.pt.sha256",
+            "ckpt-000000001.pt.xxh128",
+        ], f"left behind: {names}"
         monkeypatch.undo()
         assert mgr.read(1).state["iter"] == 1, "expected the previous checkpoint intact"
 
@@ -165,12 +174,15 @@ class TestVerifiedRead:
         assert loaded.state["iter"] == 5
 
     @pytest.mark.parametrize("where", [0.5, -1], ids=["tensor-data", "last-byte"])
+    @pytest.mark.parametrize("checked", ["xxh128", "sha256"], ids=["both-sidecars", "older-sha256-only"])
     def test_a_corrupt_file_is_refused_before_it_is_deserialised(
-        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: float
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: float, checked: str
     ) -> None:
         mgr = CheckpointManager(tmp_path, keep_last=2, is_main=True)
         mgr.save(1, _state(1))
         path = mgr.path_for(1)
+        if checked == "sha256":  # as a checkpoint written before the .xxh128 sidecar existed
+            mgr.fast_sidecar_for(path).unlink()
         data = bytearray(path.read_bytes())
         i = int(len(data) * where) if where >= 0 else len(data) - 1
         data[i] ^= 0x01
@@ -180,8 +192,21 @@ class TestVerifiedRead:
             raise AssertionError("torch.load ran on bytes that fail their checksum")
 
         monkeypatch.setattr(torch, "load", no_load)
-        with pytest.raises(ValueError, match=r"ckpt-000000001\.pt: sha256 [0-9a-f]{64} != sidecar's"):
+        refused = rf"ckpt-000000001\.pt: {checked} [0-9a-f]{{32,64}} != sidecar's"
+        with pytest.raises(ValueError, match=refused):
             mgr.read(1)
+
+    def test_a_load_checks_the_fast_sidecar_only(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        mgr = CheckpointManager(tmp_path, keep_last=2, is_main=True)
+        mgr.save(1, _state(1))
+
+        def no_sha256(*_: Any, **__: Any) -> Any:
+            raise AssertionError("read() computed the slow sha256 although an .xxh128 sidecar is there")
+
+        monkeypatch.setattr(checkpoint, "sha256_file", no_sha256)
+        assert mgr.read(1).state["iter"] == 1
 
     def test_loaded_tensors_are_private_and_outlive_the_file(self, tmp_path: Path) -> None:
         # The state is mapped from the file copy-on-write: writing to it leaves the checkpoint as it
@@ -210,10 +235,15 @@ class TestPruning:
         saved = mgr.save(2, _state(2))
         assert saved is not None and saved.deleted == [mgr.path_for(1)], f"expected step 1 pruned: {saved}"
         assert mgr.steps() == [2], f"expected only step 2 listed right after the save, got {mgr.steps()}"
-        assert not mgr.sidecar_for(mgr.path_for(1)).exists(), "expected the pruned sidecar gone"
+        for sidecar in (mgr.sidecar_for(mgr.path_for(1)), mgr.fast_sidecar_for(mgr.path_for(1))):
+            assert not sidecar.exists(), f"expected the pruned sidecar {sidecar.name} gone"
         mgr.wait_pruned()
         names = sorted(p.name for p in tmp_path.iterdir())
-        assert names == ["ckpt-000000002.pt", "ckpt-000000002.pt.sha256"], f"left behind: {names}"
+        assert names == [
+            "ckpt-000000002.pt",
+            "ckpt-000000002.pt.sha256",
+            "ckpt-000000002.pt.xxh128",
+        ], f"left behind: {names}"
 
     def test_a_writer_dying_before_the_unlink_leaves_a_file_the_next_one_sweeps(self, tmp_path: Path) -> None:
         mgr = CheckpointManager(tmp_path, keep_last=1, is_main=True)
@@ -225,8 +255,10 @@ class TestPruning:
 
 
 @pytest.mark.parametrize("size", [0, 1, 8 << 20, (8 << 20) + 3])
-def test_sha256_file_matches_hashlib(tmp_path: Path, size: int) -> None:
+def test_file_digests_match_the_libraries(tmp_path: Path, size: int) -> None:
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
     got = checkpoint.sha256_file(tmp_path / "f")
     assert got == (hashlib.sha256(data).hexdigest(), size), f"{size} bytes: got {got}"
+    got = checkpoint.xxh128_file(tmp_path / "f")
+    assert got == (xxhash.xxh3_128(data).hexdigest(), size), f"{size} bytes: got xxh128 {got}"

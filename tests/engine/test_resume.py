@@ -97,8 +97,10 @@ def test_checkpoint_manager_atomic_retention_and_fallback(tmp_path: Path, monkey
     assert names == [
         "ckpt-000000006.pt",
         "ckpt-000000006.pt.sha256",
+        "ckpt-000000006.pt.xxh128",
         "ckpt-000000007.pt",
         "ckpt-000000007.pt.sha256",
+        "ckpt-000000007.pt.xxh128",
     ]
 
     # A writer dying mid-save leaves no checkpoint and no temp file behind, and the old ones intact.
