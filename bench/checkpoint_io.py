@@ -4,8 +4,8 @@
 
 Write: `CheckpointManager.save()` of a training state of N MiB (default 1024: a model state_dict of
 float32 tensors plus `iter`), which is the engine's whole save (torch.save to a temp file, sha256ed
-and XXH3-hashed as it is written, fsync, sidecars, rename, directory fsync, pruning; the pruned file's blocks are
-freed in the background, untimed like dd's unlink of its previous file), against
+and XXH3-hashed as it is written, fsync, sidecars, rename, directory fsync, pruning; the pruned
+file's blocks are freed in the background, untimed like dd's unlink of its previous file), against
 `dd if=/dev/zero of=F bs=4M count=N/4 conv=fsync` in the same directory.
 
 Read: `CheckpointManager.read()` (XXH3-128 of the file against its `.xxh128` sidecar, then
