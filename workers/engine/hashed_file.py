@@ -16,8 +16,8 @@ from typing import Any
 
 import xxhash
 
-# What is written is copied into staging buffers; each full one is hashed on one worker thread while
-# another writes it to disk, so the copying, the hashing and the disk all run at the same time.
+# What is written is copied into staging buffers; each full one is sha256ed on one worker thread while
+# another XXH3-hashes and writes it to disk, so the copying, the hashing and the disk all overlap.
 BUFFER_BYTES = 4 << 20
 BUFFERS = 4
 # O_DIRECT wants the buffer address, file offset and length aligned to the device's block size:
@@ -68,7 +68,7 @@ class HashedFileWriter:
         self._sha = hashlib.sha256()
         self._xxh = xxhash.xxh3_128()
         self._fd, self.direct = _open(path)  # last: nothing after it can fail and leak the descriptor
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-sha256")
         self._disk = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
 
     def write(self, data: Any) -> int:
