@@ -240,6 +240,7 @@ def _supervise(
         nnodes=run.nnodes,
         rendezvous=run.rendezvous,
         local_addr=run.address or None,
+        device=spec["resources"].get("device", "cpu"),
     )
     # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
     # rank free to use every core.

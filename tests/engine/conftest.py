@@ -104,7 +104,12 @@ def run_engine(
     # One thread per rank: 4 ranks share 2 cores, and oversubscribed OpenMP pools are far slower.
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(extra_env or {})})
     cmd = torchrun_command(
-        job_id=job_id, nproc=nproc, spec_path=spec_path, run_dir=run_dir, checkpoint_dir=ckpt
+        job_id=job_id,
+        nproc=nproc,
+        spec_path=spec_path,
+        run_dir=run_dir,
+        checkpoint_dir=ckpt,
+        device=spec["resources"].get("device", "cpu"),
     )
     proc = subprocess.run(
         cmd,

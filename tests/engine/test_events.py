@@ -88,4 +88,4 @@ def test_launch_helper_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"expected a torch-free import, got {out.stderr}"
-    assert "'--nproc-per-node=2', '-m', 'workers.engine.main', '--job-id', 'j'" in out.stdout, out.stdout
+    assert "'--nproc-per-node=2', '--start-method=fork', '--run-path'" in out.stdout, out.stdout

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from sqlalchemy.orm import Session, sessionmaker
@@ -70,15 +70,13 @@ def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[tuple[str, s
         return [(r.to_status, r.reason) for r in rows]
 
 
-def _rank_pid(job_id: str, rank: int) -> int:
-    for p in rank_processes(job_id):
-        try:
-            cmd = p.cmdline()
-            is_rank = "workers.engine.main" in cmd and "torch.distributed.run" not in cmd
-            if is_rank and p.environ().get("RANK") == str(rank):
-                return int(p.pid)
-        except psutil.NoSuchProcess:
-            continue
+def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
+    # A CPU rank is a fork of torchrun's agent: its command line and /proc environ are the agent's,
+    # so the rank's own log line ("... rank R/W on cpu ... pid=P") says which process it is.
+    log = settings.artifacts / "jobs" / job_id / "attempt-1" / "node-0" / "logs" / f"rank{rank}.log"
+    found = re.search(rf"rank {rank}/\d+ on .* pid=(\d+)", log.read_text() if log.exists() else "")
+    if found and int(found.group(1)) in {p.pid for p in rank_processes(job_id)}:
+        return int(found.group(1))
     raise AssertionError(f"no rank {rank} process of job {job_id} found")
 
 
@@ -108,7 +106,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
         time.sleep(0.1)
     else:
         raise AssertionError("the job never got past its first checkpoint")
-    os.kill(_rank_pid(job_id, 1), signal.SIGKILL)
+    os.kill(_rank_pid(settings, job_id, 1), signal.SIGKILL)
     thread.join(timeout=60)
     assert out == [JobStatus.QUEUED], f"expected the attempt to end requeued, got {out}"
     assert _job(sessions, job_id).queued_reason == "restarting: waiting for placement", (

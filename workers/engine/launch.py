@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # it is gone: ranks of a SIGKILLed worker must not train on, writing checkpoints beside the next
 # attempt's, and torchrun runs in a session of its own, so the worker's death does not reach them.
 SUPERVISOR_ENV = "DPTRAIN_SUPERVISOR"
+# The rank entry point, by absolute path: torchrun's --run-path wants a file, not a module name.
+ENGINE_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "main.py")
 
 
 def _start_time(pid: int) -> str | None:
@@ -83,8 +85,14 @@ def torchrun_command(
     nnodes: int = 1,
     rendezvous: Rendezvous | None = None,
     local_addr: str | None = None,
+    device: str = "cpu",
 ) -> list[str]:
-    """The argv that launches `nproc` engine ranks on this node for one job (of `nnodes` nodes)."""
+    """The argv that launches `nproc` engine ranks on this node for one job (of `nnodes` nodes).
+
+    CPU ranks are forked from a warm agent (workers.engine.agent: torch imported once, not once per
+    rank); CUDA ranks start as fresh interpreters under plain torchrun, since CUDA does not survive
+    a fork of a process that may have touched the driver.
+    """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if (nnodes > 1) != (rendezvous is not None):
@@ -94,14 +102,17 @@ def torchrun_command(
         where = ["--standalone"]
     else:
         where = rendezvous.args(nnodes) + ([f"--local-addr={local_addr}"] if local_addr else [])
+    per_node = [*where, f"--nproc-per-node={nproc}"]
+    if device == "cpu":
+        # Each forked rank runs main.py by path (runpy); its arguments below stay on the agent's
+        # command line, which is where procs.rank_processes looks for the job id.
+        launcher = ["workers.engine.agent", *per_node, "--start-method=fork", "--run-path", ENGINE_MAIN]
+    else:
+        launcher = ["torch.distributed.run", *per_node, "-m", "workers.engine.main"]
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        *where,
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "workers.engine.main",
+        *launcher,
         "--job-id",
         job_id,
         # Which worker node's ranks these are: several nodes of a job may share a host.

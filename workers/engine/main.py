@@ -3,6 +3,9 @@
     python -m torch.distributed.run --standalone --nproc-per-node N -m workers.engine.main \
         --job-id JOBID --spec RUN_DIR/spec.json --run-dir RUN_DIR --checkpoint-dir CKPT_DIR
 
+or the same arguments after `python -m workers.engine.agent ... --run-path .../main.py`, which
+forks the ranks from a process with torch already imported.
+
 Without torchrun's RANK/WORLD_SIZE it runs as a single rank with no process group (tests call it in-process).
 """
 
@@ -11,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -70,6 +75,11 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     from workers.engine.trainer import Trainer
 
     env = D.DistEnv.from_environ()
+    if threads := os.environ.get("OMP_NUM_THREADS"):
+        # A rank forked from the warm agent inherits the OpenMP pool size read when the agent loaded
+        # torch, before torchrun set OMP_NUM_THREADS=1 for ranks sharing a host; a fresh interpreter
+        # would have read the variable itself, so apply it the same way here.
+        torch.set_num_threads(int(threads))
     with open(args.spec, encoding="utf-8") as f:
         cfg = JobConfig.from_spec(json.load(f))
     cfg.local_batch_size(env.world_size)  # fail before rendezvous-heavy work on an uneven split
@@ -81,7 +91,10 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     device = D.setup_device(env, cfg.resources.device)
     backend = D.init(env, cfg.resources.device, cfg.engine.collective_timeout_seconds)
     try:
-        print(f"job {args.job_id}: rank {env.rank}/{env.world_size} on {device} backend={backend}")
+        print(
+            f"job {args.job_id}: rank {env.rank}/{env.world_size} on {device} backend={backend} "
+            f"threads={torch.get_num_threads()} pid={os.getpid()}"
+        )
         # Same seed on every rank; DDP then broadcasts rank 0's weights anyway, so this is belt and braces.
         torch.manual_seed(cfg.training.seed)
         # A built-in recipe gets its extras; user code gets every hyperparameter (it may want lr for
@@ -97,10 +110,24 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         D.destroy()
 
 
+def default_signals() -> None:
+    """Give this process the signal handlers of a fresh interpreter.
+
+    A rank forked from torchrun's agent inherits the agent's handlers, which turn SIGTERM into an
+    exception; a cancel (SIGTERM to the launcher's process group) must end a rank the way it ends a
+    rank started by exec, without an error of its own.
+    """
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run one rank: redirect its output, train, and turn any exception into an error event."""
     args = parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:
+        default_signals()
     rank = int(os.environ["RANK"]) if launched else 0
     # First thing: everything this rank prints (Python, C++, NCCL) lands in its own log file.
     restore = redirect_output(args.run_dir / "logs" / f"rank{rank}.log")
@@ -110,13 +137,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         run(args, events)
     except BaseException as exc:
-        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            events.error(exc)
-        raise
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        events.error(exc)
+        if not launched or isinstance(exc, SystemExit):
+            raise
+        # Print the traceback into the rank's log and exit 1, as an uncaught exception would: a
+        # forked rank runs inside torch's multiprocessing wrapper, which would catch it silently.
+        traceback.print_exc()
+        raise SystemExit(1) from exc
     finally:
         events.close()
-        # Under torchrun keep the redirect, so the uncaught traceback Python prints next lands in the
-        # rank's log; in-process callers (tests) get their own stdout/stderr back.
+        # Under torchrun keep the redirect, so the traceback lands in the rank's log; in-process
+        # callers (tests) get their own stdout/stderr back.
         if not launched:
             restore()
 
