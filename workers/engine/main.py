@@ -19,6 +19,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from workers.engine.events import EventWriter, events_path
 from workers.engine.launch import SUPERVISOR_ENV, watch_supervisor
@@ -140,18 +141,32 @@ def main(argv: Sequence[str] | None = None) -> None:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
         events.error(exc)
-        if not launched or isinstance(exc, SystemExit):
+        if not launched:
             raise
-        # Print the traceback into the rank's log and exit 1, as an uncaught exception would: a
-        # forked rank runs inside torch's multiprocessing wrapper, which would catch it silently.
-        traceback.print_exc()
-        raise SystemExit(1) from exc
+        exit_failed_rank(exc, events)
     finally:
         events.close()
-        # Under torchrun keep the redirect, so the traceback lands in the rank's log; in-process
-        # callers (tests) get their own stdout/stderr back.
+        # In-process callers (tests) get their own stdout/stderr back.
         if not launched:
             restore()
+
+
+def exit_failed_rank(exc: BaseException, events: EventWriter) -> NoReturn:
+    """Print `exc` into the rank's log and end the process at once, exit code 1 (or SystemExit's).
+
+    Not by raising: a forked rank would raise into torch's multiprocessing wrapper, which swallows
+    the traceback, and the unwinding frees the DDP model. Freeing it after a Gloo collective timed
+    out can deadlock: ProcessGroupGloo's destructor joins its worker thread while holding the GIL,
+    and that thread waits for the GIL to drop the timed-out work (seen with py-spy). A failed rank
+    has nothing left to finish: checkpoints are renamed into place only when complete.
+    """
+    code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    if not isinstance(exc, SystemExit):
+        traceback.print_exc()
+    events.close()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
