@@ -255,7 +255,8 @@ def _supervise(
     max_runtime = spec.get("max_runtime_seconds")
     deadline = time.monotonic() + max_runtime if max_runtime else None
     with paths.launcher_log.open("ab") as launcher_out:
-        # A session of its own: cancelling or cleaning up kills torchrun and every rank together.
+        # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
+        # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
         proc = subprocess.Popen(
             cmd, stdout=launcher_out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

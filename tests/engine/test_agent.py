@@ -87,15 +87,22 @@ def test_forked_ranks_share_the_host_one_thread_each(tmp_path: Path, make_spec: 
 
 
 def test_sigterm_to_the_group_ends_forked_ranks_without_an_error(tmp_path: Path, make_spec: Any) -> None:
-    # What a cancel does (procs.stop_group): the ranks inherit the agent's handler, which would
-    # turn SIGTERM into an exception and an error event; a cancelled rank reports no error.
+    # What a cancel does (procs.stop_group). Each forked rank leads a session of its own, as plain
+    # torchrun's ranks do (a scheduling group of its own: main.own_session), so the group's SIGTERM
+    # reaches the agent, which forwards it to each rank. The ranks inherit the agent's handler,
+    # which would turn SIGTERM into an exception and an error event; a cancelled rank reports none.
     env = {"OMP_NUM_THREADS": "1", "DPTRAIN_FAULT_INJECT": "sleep:ms=200"}
     proc, run_dir, job_id = _launch(tmp_path, make_spec, steps=200, env=env)
     deadline = time.monotonic() + 60
     while not any(e["type"] == "metrics" for e in _events(run_dir, 0)) and time.monotonic() < deadline:
         assert proc.poll() is None, f"the job ended early\n{proc.communicate()[0][-3000:]}"
         time.sleep(0.05)
-    assert len(rank_processes(job_id)) >= 3, "the agent and both forked ranks carry the job id"
+    procs = rank_processes(job_id)
+    assert len(procs) >= 3, "the agent and both forked ranks carry the job id"
+    ranks = [p.pid for p in procs if p.pid != proc.pid and p.ppid() == proc.pid]
+    assert len(ranks) == 2, f"expected 2 ranks forked by the agent {proc.pid}, found {procs}"
+    for pid in ranks:
+        assert os.getsid(pid) == pid, f"rank {pid} is in session {os.getsid(pid)}, not one of its own"
     os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0, out[-3000:]

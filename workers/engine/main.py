@@ -12,6 +12,7 @@ Without torchrun's RANK/WORLD_SIZE it runs as a single rank with no process grou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -123,12 +124,30 @@ def default_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def own_session() -> None:
+    """Make this rank the leader of a session of its own, as plain torchrun starts every rank.
+
+    A rank forked by workers.engine.agent is otherwise in the agent's session, and so, with the
+    kernel's scheduler autogroups (one CPU scheduling group per session; on by default in Debian's
+    kernel), in one group with its sibling ranks: their compute threads and Gloo's wake-ups then
+    preempt each other as equals, and on 2 cores a 2-rank loop ran 8-10% slower than with a
+    session per rank (bench/findings.md section 2). A cancel still reaches the rank: the agent
+    forwards SIGTERM to each of its ranks, and the runner sweeps ranks by job id afterwards, as for
+    plain torchrun's.
+    """
+    if os.getsid(0) == os.getpid():
+        return  # already a session leader (plain torchrun's start_new_session)
+    with contextlib.suppress(PermissionError):  # a process group leader cannot start a session
+        os.setsid()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run one rank: redirect its output, train, and turn any exception into an error event."""
     args = parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
         default_signals()
+        own_session()
     rank = int(os.environ["RANK"]) if launched else 0
     # First thing: everything this rank prints (Python, C++, NCCL) lands in its own log file.
     restore = redirect_output(args.run_dir / "logs" / f"rank{rank}.log")
