@@ -54,9 +54,9 @@ def sweep_ranks(job_id: str, *, node: str | None = None) -> int:
 
     Every rank leads a session of its own (plain torchrun starts CUDA ranks so; a rank forked by
     workers.engine.agent calls setsid), so killing torchrun's group does not reach a rank whose
-    torchrun died first; the job id on every rank's command line
-    does (a rank forked by workers.engine.agent shows the agent's, which carries it too). Several
-    nodes of one job may share a host, so a node sweeps only what carries its own `--node`.
+    torchrun died first; the job id on every rank's command line does (a rank forked by
+    workers.engine.agent shows the agent's, which carries it too). Several nodes of one job may
+    share a host, so a node sweeps only what carries its own `--node`.
     """
     procs = rank_processes(job_id, node=node)
     for p in procs:

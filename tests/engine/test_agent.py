@@ -99,7 +99,7 @@ def test_sigterm_to_the_group_ends_forked_ranks_without_an_error(tmp_path: Path,
         time.sleep(0.05)
     procs = rank_processes(job_id)
     assert len(procs) >= 3, "the agent and both forked ranks carry the job id"
-    ranks = [p.pid for p in procs if p.pid != proc.pid and p.ppid() == proc.pid]
+    ranks = [p.pid for p in procs if p.ppid() == proc.pid]
     assert len(ranks) == 2, f"expected 2 ranks forked by the agent {proc.pid}, found {procs}"
     for pid in ranks:
         assert os.getsid(pid) == pid, f"rank {pid} is in session {os.getsid(pid)}, not one of its own"

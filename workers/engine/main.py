@@ -135,9 +135,8 @@ def own_session() -> None:
     forwards SIGTERM to each of its ranks, and the runner sweeps ranks by job id afterwards, as for
     plain torchrun's.
     """
-    if os.getsid(0) == os.getpid():
-        return  # already a session leader (plain torchrun's start_new_session)
-    with contextlib.suppress(PermissionError):  # a process group leader cannot start a session
+    # A rank of plain torchrun already leads its session (start_new_session): setsid refuses then.
+    with contextlib.suppress(PermissionError):
         os.setsid()
 
 

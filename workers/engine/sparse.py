@@ -78,7 +78,7 @@ def default_sgd(model: nn.Module, lr: float, momentum: float, weight_decay: floa
         params = list(model.parameters())
         # torch's fused SGD: one kernel per step for every tensor instead of three ops per tensor (the
         # CPU default is the per-tensor loop). The same update rule, rounded in another order, so the
-        # weights agree with the loop's to the last bits, not bitwise (docs/engine.md, "Optimizer").
+        # weights agree with the loop's to the last bits, not bitwise (docs/engine.md, "Fused SGD").
         # The setting is stored in the optimizer's state, so a resumed run keeps the implementation
         # it was saved with.
         return torch.optim.SGD(
