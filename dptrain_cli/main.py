@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,24 @@ EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED = 0, 1, 2, 3
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading `1e-4` as the float YAML 1.2 says it is.
+
+    PyYAML follows YAML 1.1, where a float needs a dot (`1.0e-4`); `lr: 1e-4` would reach the API
+    as the string "1e-4", which the spec's strict types refuse.
+    """
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def _load_spec(path: Path) -> dict[str, Any]:
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{path} does not hold a job spec object")
     return data

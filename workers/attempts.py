@@ -26,6 +26,8 @@ NOT_RETRIED = frozenset(
     {
         "FloatingPointError",
         "ValueError",
+        # pydantic's, for a spec.json its JobSpec refuses (a ValueError, but named as itself).
+        "ValidationError",
         "TypeError",
         "KeyError",
         "IndexError",

@@ -22,7 +22,6 @@ from api_schemas import (
     Timeline,
     Transition,
 )
-from api_schemas.recipes import recipe_params
 from service.errors import Conflict, InvalidTransition, NotFound
 from service.etag import etag_of_version
 from service.jobs import lifecycle, repository
@@ -65,7 +64,8 @@ def _row_values(*, user: User, spec: JobSpec) -> dict[str, Any]:
     stored = spec.model_dump(mode="json")
     # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
     # shows is exactly what ran, whatever later versions choose as defaults.
-    stored["hyperparameters"].update(recipe_params(spec))
+    if (params := spec.recipe_params()) is not None:
+        stored["hyperparameters"].update(params.model_dump(mode="json"))
     return {
         "id": uuid.uuid4().hex,
         "name": spec.name,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import subprocess
 import sys
@@ -10,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
-from workers.engine.config import JobConfig
+from api_schemas.recipes import MlpParams
+from workers.engine.config import configure
 from workers.engine.data import GlobalBatchSampler
 from workers.engine.faults import parse_fault
-from workers.engine.recipes import RECIPES
+from workers.engine.recipes import RECIPES, plan_params
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,16 +52,18 @@ def test_event_stream(equivalence_runs: dict[int, Any], equivalence_spec: dict[s
         assert f"rank {rank} done" in run.log(rank), f"expected rank {rank}'s log to be captured"
 
 
-def test_config_validation(make_spec: Any) -> None:
-    cfg = JobConfig.from_spec(make_spec(hyperparameters={"global_batch_size": 30, "hidden_size": 8}))
-    assert cfg.recipe_params == {"hidden_size": 8} and cfg.local_batch_size(2) == 15
+def test_the_engine_reads_spec_json_into_the_api_model(make_spec: Any) -> None:
+    text = json.dumps(make_spec(hyperparameters={"global_batch_size": 30, "hidden_size": 8}))
+    spec = configure(text, 2)
+    assert plan_params(spec) == {**MlpParams().model_dump(), "hidden_size": 8}
+    assert spec.local_batch_size(2) == 15
     with pytest.raises(ValueError, match="not divisible by the world size 4"):
-        cfg.local_batch_size(4)
-    with pytest.raises(ValueError, match="lr"):
-        JobConfig.from_spec(make_spec(hyperparameters={"lr": 0}))
-    with pytest.raises(ValueError, match="unknown engine option"):
-        JobConfig.from_spec(make_spec(engine={"bucket_cap": 1}))
-    with pytest.raises(ValueError, match="not a hyperparameter of recipe 'mlp'"):
+        configure(text, 4)
+    with pytest.raises(ValidationError, match="lr"):
+        configure(json.dumps(make_spec(hyperparameters={"lr": 0})), 1)
+    with pytest.raises(ValidationError, match="bucket_cap\n  Extra inputs are not permitted"):
+        configure(json.dumps(make_spec(engine={"bucket_cap": 1})), 1)
+    with pytest.raises(ValidationError, match="depth\n  Extra inputs are not permitted"):
         RECIPES["mlp"]({"depth": 3}, 0)
 
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from api_schemas import JobSpec
 from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine import metrics_window as mw
 from workers.engine.checkpoint import CheckpointManager
-from workers.engine.config import JobConfig
 from workers.engine.events import EventWriter
 from workers.engine.faults import Fault
 from workers.engine.metrics_window import MAX_WINDOW, TARGET_SECONDS, MetricsWindow, next_window
-from workers.engine.recipes import RECIPES
+from workers.engine.recipes import RECIPES, plan_params
 from workers.engine.trainer import Trainer
 from workers.tail import Tail
 
@@ -198,15 +198,16 @@ STEPS, SAVE_EVERY = 30, 12
 
 def _trainer_worker(rank: int, world: int, out_dir: str) -> None:
     spec = {
+        "name": "metrics-window",
         "recipe": "mlp",
         "hyperparameters": {"global_batch_size": 16, "lr": 0.05, "momentum": 0.9, "steps": STEPS, "seed": 7},
         "resources": {"device": "cpu"},
         "engine": {"log_every_steps": 1, "grad_clip_norm": 10.0},
         "checkpoint": {"every_steps": SAVE_EVERY, "keep_last": 2},
     }
-    cfg = JobConfig.from_spec(spec)
+    cfg = JobSpec.model_validate(spec)
     torch.manual_seed(7)
-    plan = RECIPES["mlp"](cfg.recipe_params, 7)
+    plan = RECIPES["mlp"](plan_params(cfg), 7)
     local: list[torch.Tensor] = []
     loss_fn = plan.loss_fn
 
