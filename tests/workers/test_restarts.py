@@ -24,6 +24,7 @@ from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import create_database, drop_database
 from tests.engine.test_resume import _assert_equal
 from tests.workers.runs import run_attempt
+from workers.engine.checkpoint import checkpoint_name
 from workers.procs import rank_processes
 
 STEPS = 24
@@ -81,7 +82,7 @@ def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
 
 
 def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:
-    path = settings.artifacts / "jobs" / job_id / "checkpoints" / f"ckpt-{STEPS:09d}.pt"
+    path = settings.artifacts / "jobs" / job_id / "checkpoints" / checkpoint_name(STEPS)
     return dict(torch.load(path, weights_only=True))
 
 
@@ -173,7 +174,7 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
                 job_id=job_id,
                 attempt=1,
                 step=8,
-                path="/gone/ckpt-000000008.pt",
+                path=f"/gone/{checkpoint_name(8)}",
                 size_bytes=1,
                 sha256="0" * 64,
             )
