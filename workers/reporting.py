@@ -12,6 +12,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from api_schemas import JobError
 from service.jobs import repository
 from service.models.base import utcnow
 from workers.tail import TailSet
@@ -159,14 +160,14 @@ class Reporter:
         self._progress_dirty = False
         return True
 
-    def root_error(self) -> dict[str, Any] | None:
+    def root_error(self) -> JobError | None:
         """The first error any rank reported (later ones are usually peers losing their connection)."""
         if not self.state.errors:
             return None
         first = min(self.state.errors, key=lambda e: float(e.get("time", 0.0)))
-        return {
-            "type": str(first.get("error_type", "Error")),
-            "message": str(first.get("message", "")),
-            "rank": first.get("rank"),
-            "traceback": first.get("traceback"),
-        }
+        return JobError(
+            type=str(first.get("error_type", "Error")),
+            message=str(first.get("message", "")),
+            rank=first.get("rank"),
+            traceback=first.get("traceback"),
+        )

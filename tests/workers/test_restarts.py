@@ -14,7 +14,7 @@ import pytest
 import torch
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobSpec, JobStatus
+from api_schemas import JobError, JobSpec, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
@@ -147,7 +147,7 @@ def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     )
     job = _job(sessions, job_id)
     assert job.status == "failed" and job.attempt == 2
-    assert job.error is not None and "injected fault at step 2" in job.error["message"], job.error
+    assert "injected fault at step 2" in JobError.model_validate(job.error).message, job.error
     assert [s for s, _ in _timeline(sessions, job_id)] == ["queued", "running", "queued", "running", "failed"]
 
 
@@ -161,7 +161,7 @@ def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessio
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = _job(sessions, job_id)
     assert job.attempt == 1, "a resume would replay the same NaN bitwise: no restart"
-    assert job.error is not None and job.error["type"] == "FloatingPointError", job.error
+    assert JobError.model_validate(job.error).type == "FloatingPointError", job.error
 
 
 def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
@@ -182,7 +182,7 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
         s.query(Job).filter_by(id=job_id).update({"attempt": 1})
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = _job(sessions, job_id)
-    assert job.error is not None and job.error["type"] == "CheckpointMissing", job.error
+    assert JobError.model_validate(job.error).type == "CheckpointMissing", job.error
     assert not (
         settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
     ).exists()
