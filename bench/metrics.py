@@ -18,7 +18,6 @@ In a throwaway database (migrated to head, dropped afterwards):
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 import uuid
@@ -35,6 +34,7 @@ from service.app import create_app
 from service.config import Settings
 from service.jobs import rollups_repository
 from service.models import Job
+from workers.engine.events import MetricsEvent
 from workers.reporting import Reporter
 
 INGEST_BAR = 10_000.0
@@ -78,9 +78,7 @@ def ingest(url: str, job_id: str, *, points: int, chunk_points: int, base: Path)
             for _ in range(per_chunk):
                 step += 1
                 values = {"loss": 1 / step, "lr": 0.05, "samples_per_s": 1000.0 + step, "step_time_s": 0.01}
-                lines.append(
-                    json.dumps({"type": "metrics", "time": time.time(), "step": step, "values": values})
-                )
+                lines.append(MetricsEvent(step=step, values=values).model_dump_json())
             f.write("\n".join(lines) + "\n")
             f.flush()
             start = time.perf_counter()
