@@ -29,6 +29,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import sessionmaker
 
+from api_schemas import JobStatus
 from bench.common import BENCH_TOKEN, Result, finish, parse, result, scratch_database, spread
 from service.app import create_app
 from service.config import Settings
@@ -61,8 +62,8 @@ def ingest(url: str, job_id: str, *, points: int, chunk_points: int, base: Path)
     token = uuid.uuid4().hex
     with engine.begin() as conn:
         conn.execute(
-            text("UPDATE jobs SET claim_token = :t, status = 'running', attempt = 1 WHERE id = :id"),
-            {"t": token, "id": job_id},
+            text("UPDATE jobs SET claim_token = :t, status = :running, attempt = 1 WHERE id = :id"),
+            {"t": token, "running": JobStatus.RUNNING.value, "id": job_id},
         )
     sessions = sessionmaker(engine, expire_on_commit=False)
     run_dir = base / "run"
