@@ -50,6 +50,17 @@ def test_the_api_process_never_imports_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_the_worker_process_never_imports_torch() -> None:
+    # The Celery worker only supervises torchrun: the events and checkpoint names it shares with the
+    # ranks live in torch-free modules (workers/engine/events.py, checkpoint.py's lazy import).
+    code = (
+        "import sys, workers.celery_app, workers.tasks, workers.reconciler, workers.heartbeat; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def test_models_match_the_migrations(pg_url: str) -> None:
     # Raises if autogenerate would produce any operation: the models and migrations agree.
     command.check(alembic_config(pg_url))

@@ -21,6 +21,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
+from api_schemas import JobStatus
 from service.db import insert_for, is_postgresql
 from service.jobs import metrics_repository, rollups_repository
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
@@ -103,7 +104,7 @@ def list_page(
     owner_id: int | None,
     limit: int,
     after: tuple[datetime, str] | None,
-    status: str | None,
+    status: JobStatus | None,
     labels: dict[str, str] | None = None,
     updated_since: datetime | None = None,
 ) -> Sequence[Job]:
@@ -112,7 +113,7 @@ def list_page(
     if owner_id is not None:
         stmt = stmt.where(Job.owner_id == owner_id)
     if status is not None:
-        stmt = stmt.where(Job.status == status)
+        stmt = stmt.where(Job.status == status.value)
     if updated_since is not None:
         stmt = stmt.where(Job.updated_at > updated_since)
     if labels:
@@ -188,7 +189,7 @@ def transitions(session: Session, *, job_id: str) -> Sequence[JobTransition]:
 def fenced_update(session: Session, *, job_id: str, claim_token: str, values: dict[str, Any]) -> bool:
     """Update a running job's progress fields only if `claim_token` still owns it (no values: just check)."""
     # A terminal job keeps its last token: it is the status that fences every node out then.
-    owned = (Job.id == job_id, Job.claim_token == claim_token, Job.status == "running")
+    owned = (Job.id == job_id, Job.claim_token == claim_token, Job.status == JobStatus.RUNNING.value)
     if not values:
         return session.execute(select(Job.id).where(*owned)).first() is not None
     stmt = update(Job).where(*owned).values(**values)

@@ -186,7 +186,7 @@ def list_jobs(
         owner_id=_visible_owner(user),
         limit=limit + 1,
         after=after,
-        status=status.value if status else None,
+        status=status,
         labels=labels,
         updated_since=updated_since,
     )

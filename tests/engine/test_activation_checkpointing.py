@@ -29,6 +29,7 @@ from api_schemas.recipes import CnnBnParams, LstmLmParams, MlpParams
 from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.main import main
 from workers.engine.memory import checkpoint_activations, segment_bounds
 from workers.engine.recipes import cnn_bn, lstm_lm, mlp
@@ -159,7 +160,7 @@ def _initial(recipe: str) -> dict[str, torch.Tensor]:
 
 def _load(ckpt: Path, step: int) -> dict[str, Any]:
     return cast(
-        dict[str, Any], torch.load(ckpt / f"ckpt-{step:09d}.pt", weights_only=True, map_location="cpu")
+        dict[str, Any], torch.load(ckpt / checkpoint_name(step), weights_only=True, map_location="cpu")
     )
 
 
@@ -176,8 +177,9 @@ def in_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
     resumed = base / "resumed-checkpoints"
     resumed.mkdir()
-    for name in (f"ckpt-{STEPS // 2:09d}.pt", f"ckpt-{STEPS // 2:09d}.pt.sha256"):
-        shutil.copy(dirs["cnn_bn-on"] / name, resumed / name)
+    src = dirs["cnn_bn-on"] / checkpoint_name(STEPS // 2)
+    for path in (src, CheckpointManager.sidecar_for(src)):
+        shutil.copy(path, resumed / path.name)
     dirs["cnn_bn-resumed"] = _main(base, "resumed", _spec("cnn_bn", True), checkpoint_dir=resumed)
     return dirs
 

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from api_schemas import EngineOptions, JobSpec
 from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.local_sgd import averages_after
 from workers.engine.recipes import mlp
 from workers.engine.trainer import Trainer
@@ -107,8 +108,9 @@ class TestResume:
         assert ckpts == [5, STEPS], f"expected checkpoints at [5, {STEPS}], got {ckpts}"
         fresh = tmp_path / "resumed-ckpts"
         fresh.mkdir()
-        for name in ("ckpt-000000005.pt", "ckpt-000000005.pt.sha256"):
-            shutil.copy(full.checkpoint_dir / name, fresh / name)
+        src = full.checkpoint_dir / checkpoint_name(5)
+        for path in (src, CheckpointManager.sidecar_for(src)):
+            shutil.copy(path, fresh / path.name)
         spec = json.loads((full.run_dir / "spec.json").read_text())
         resumed = module_engine_runner(spec, WORLD, checkpoint_dir=fresh)
         assert resumed.returncode == 0, f"resumed run: expected exit 0\n{resumed.describe()}"

@@ -19,6 +19,7 @@ from torch import nn
 
 from api_schemas.recipes import PartialFcParams
 from tests.engine.spawn import spawn_gloo
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.recipes import partial_fc
 from workers.engine.sharding import shard_range
 
@@ -99,8 +100,9 @@ def test_elastic_resume_reshards_the_checkpoint(
     for world in (2, 1):  # 4 -> 2 (3+3+2+2 rows become 5+5) and 4 -> 1
         ckpt_dir = tmp_path / f"4to{world}"
         ckpt_dir.mkdir()
-        for suffix in ("", ".sha256"):
-            shutil.copy(src / f"ckpt-{4:09d}.pt{suffix}", ckpt_dir / f"ckpt-{4:09d}.pt{suffix}")
+        ckpt = src / checkpoint_name(4)
+        for path in (ckpt, CheckpointManager.sidecar_for(ckpt)):
+            shutil.copy(path, ckpt_dir / path.name)
         run = launch(spec, world, checkpoint_dir=ckpt_dir)
         assert [e["start_iter"] for e in run.events(0) if e["type"] == "started"] == [4], run.describe()
         resumed[world] = run.checkpoint(STEPS)

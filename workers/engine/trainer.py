@@ -17,7 +17,7 @@ from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.data import GlobalBatchSampler, MapDataset
-from workers.engine.events import EventWriter
+from workers.engine.events import CheckpointEvent, EventWriter, FinishedEvent, StartedEvent
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
@@ -294,12 +294,13 @@ class Trainer:
         main = self.env.is_main
         if main:
             self.events.emit(
-                "started",
-                world_size=self.env.world_size,
-                start_iter=self.iter,
-                total_steps=total,
-                device=self.device.type,
-                backend=self.backend or "none",
+                StartedEvent(
+                    world_size=self.env.world_size,
+                    start_iter=self.iter,
+                    total_steps=total,
+                    device=self.device.type,
+                    backend=self.backend or "none",
+                )
             )
         # Logged steps are reported per window (one loss allreduce, one write): see metrics_window.py.
         metrics = MetricsWindow(
@@ -333,18 +334,19 @@ class Trainer:
         # No rank reports success before every rank has finished its last step.
         D.barrier(self.env)
         if main:
-            self.events.emit("finished", step=self.iter)
+            self.events.emit(FinishedEvent(step=self.iter))
 
     def _save(self, last: bool) -> None:
         saved = self.checkpoints.save(self.iter, self.state_dict(), last=last)
         if saved is None:
             return
         self.events.emit(
-            "checkpoint",
-            step=saved.step,
-            path=str(saved.path),
-            size_bytes=saved.size_bytes,
-            sha256=saved.sha256,
-            deleted=[str(p) for p in saved.deleted],
-            deleted_steps=[int(p.name[5:14]) for p in saved.deleted],
+            CheckpointEvent(
+                step=saved.step,
+                path=str(saved.path),
+                size_bytes=saved.size_bytes,
+                sha256=saved.sha256,
+                deleted=[str(p) for p in saved.deleted],
+                deleted_steps=saved.deleted_steps,
+            )
         )
