@@ -238,11 +238,6 @@ def get_checkpoint(session: Session, *, user: User, job_id: str, checkpoint_id: 
     return ckpt
 
 
-def metric_names(query: str | None) -> list[str] | None:
-    """Parse a comma-separated `name` filter."""
-    return [n for n in query.split(",") if n] if query else None
-
-
 def parse_labels(pairs: list[str]) -> dict[str, str]:
     """`key=value` filters as a dict; ValueError naming the first malformed one."""
     labels: dict[str, str] = {}

@@ -29,9 +29,9 @@ _NAME = re.compile(r"ckpt-([0-9]{9})\.pt")
 _MAX_STEP = 10**9 - 1  # the most nine digits hold
 _TEMP_GLOB = ".ckpt-*.tmp-*"
 _CHUNK = 8 << 20  # bytes hashed per call
-# Unlinking a file frees its blocks, which takes time in proportion to its size (0.2-0.3 s a GiB
-# on the development VM's ext4): a pruned checkpoint at least this big is renamed out of sight at
-# once and unlinked by a background thread, so the save does not wait; smaller ones go inline.
+# Unlinking a file frees its blocks, which takes time in proportion to its size: a pruned
+# checkpoint at least this big is renamed out of sight at once and unlinked by a background thread,
+# so the save does not wait; smaller ones go inline.
 _UNLINK_IN_BACKGROUND_BYTES = 64 << 20
 
 
@@ -96,7 +96,7 @@ def _hash_file(path: str | os.PathLike[str], h: _Hash) -> tuple[str, int]:
     with open(path, "rb", buffering=0) as f:
         try:
             # Hashed from a mapping rather than read(): straight from the page cache, without a copy
-            # of every byte into a buffer (cold 1 GiB on the development VM: 0.74 s against 0.96 s).
+            # of every byte into a buffer.
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):  # an empty file, or a filesystem that cannot map
             buf = memoryview(bytearray(_CHUNK))
@@ -252,8 +252,8 @@ class CheckpointManager:
         """The XXH3-128 checksum file that loads verify (`ckpt-....pt.xxh128`, `xxhsum -c` compatible).
 
         Why two: the sha256 is what users check a downloaded checkpoint against (it is in the API
-        and the download's header), but at 1.3-1.5 GiB/s on one core it was slower than the disk, so
-        hashing was most of a load. XXH3 runs at about 10 GiB/s. It is not a cryptographic hash, and
+        and the download's header), but on one core it is slower than a fast disk, so it would be
+        most of a load; XXH3 is several times faster (bench/findings.md). It is not a cryptographic hash, and
         need not be here: the sidecars guard against torn, truncated and bit-rotted files, and
         whoever can rewrite a checkpoint can rewrite its sidecars too (`weights_only` loading is
         what makes a crafted file harmless).

@@ -126,8 +126,8 @@ def own_session() -> None:
     A rank forked by workers.engine.agent is otherwise in the agent's session, and so, with the
     kernel's scheduler autogroups (one CPU scheduling group per session; on by default in Debian's
     kernel), in one group with its sibling ranks: their compute threads and Gloo's wake-ups then
-    preempt each other as equals, and on 2 cores a 2-rank loop ran 8-10% slower than with a
-    session per rank (bench/findings.md section 2). A cancel still reaches the rank: the agent
+    preempt each other as equals, and a multi-rank loop on a small host runs measurably slower than
+    with a session per rank (bench/findings.md, section 2). A cancel still reaches the rank: the agent
     forwards SIGTERM to each of its ranks, and the runner sweeps ranks by job id afterwards, as for
     plain torchrun's.
     """

@@ -158,7 +158,8 @@ class Trainer:
     def wrap(self) -> None:
         """Wrap for data parallelism; DDP construction broadcasts rank 0's parameters and buffers."""
         if self.env.world_size == 1:
-            # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
+            # At world 1 DDP has nothing to average or broadcast, yet its hooks and buckets cost time
+            # on every step of a small model.
             self._checkpoint_activations()
             return
         e = self.spec.engine
@@ -235,8 +236,9 @@ class Trainer:
     def _step(self, it: int) -> torch.Tensor:
         idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
         inputs, targets = self.dataset.batch(idx, self.device)
-        # Per-rank MEAN loss; DDP divides the summed gradients by world size (the seeds' loss_scale =
-        # 1/devices), so the update equals the one for the global-batch mean loss at any world size.
+        # Per-rank MEAN loss; DDP divides the summed gradients by world size (data_parallel_model's
+        # loss_scale = 1/devices), so the update equals the one for the global-batch mean loss at
+        # any world size.
         # With accumulation each equal micro-batch's mean loss is scaled by 1/accum, so the summed
         # gradient is again the local-batch mean gradient: same math, less activation memory.
         n = self.accum

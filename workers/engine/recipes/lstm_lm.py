@@ -1,6 +1,6 @@
 """The `lstm_lm` recipe: an LSTM language model on token sequences from a fixed random Markov chain.
 
-The data-parallel LSTM of the seeds (Caffe2's data_parallel_model test): the same model trained at
+The data-parallel LSTM of Caffe2's data_parallel_model test: the same model trained at
 1, 2 or 4 ranks on the same global batches must end at the same parameters.
 """
 
