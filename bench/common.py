@@ -245,6 +245,16 @@ def parse(prog: str, doc: str | None, argv: Sequence[str] | None) -> argparse.Na
     return p.parse_args(argv)
 
 
+def cli(
+    prog: str, doc: str | None, run: Callable[[bool], dict[str, Result]], argv: Sequence[str] | None
+) -> dict[str, Result]:
+    """The entry point of a benchmark whose `run(smoke)` takes nothing else: parse, run, print, write."""
+    args = parse(prog, doc, argv)
+    results = run(args.smoke)
+    finish(results, args.json)
+    return results
+
+
 def finish(results: Mapping[str, Result], json_path: Path | None, out: Callable[[str], None] = print) -> None:
     """Print a benchmark's results and write them if asked."""
     for key, r in results.items():

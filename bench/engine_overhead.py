@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from api_schemas import JobSpec
-from bench.common import Result, finish, interleaved, parse, result, timed
+from bench.common import Result, cli, interleaved, result, timed
 from workers.engine import distributed as D
 from workers.engine.checkpoint import CheckpointManager, LoadedCheckpoint
 from workers.engine.data import mix_seed
@@ -207,10 +207,7 @@ def run(smoke: bool = False, rounds: int | None = None) -> dict[str, Result]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Result]:
     """CLI entry point."""
-    args = parse("bench.engine_overhead", __doc__, argv)
-    results = run(args.smoke)
-    finish(results, args.json)
-    return results
+    return cli("bench.engine_overhead", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Result, bench_env, finish, interleaved, parse, result
+from bench.common import ROOT, Result, bench_env, cli, interleaved, result
 from workers.engine.launch import torchrun_command
 
 BAR = 1.00
@@ -144,10 +144,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Result]:
     """CLI entry point."""
-    args = parse("bench.engine_world2", __doc__, argv)
-    results = run(args.smoke)
-    finish(results, args.json)
-    return results
+    return cli("bench.engine_world2", __doc__, run, argv)
 
 
 if __name__ == "__main__":

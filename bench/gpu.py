@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Result, finish, interleaved, parse, result, timed
+from bench.common import Result, cli, interleaved, result, timed
 from bench.engine_overhead import Case, engine_side, plain_side
 from bench.stack import free_port
 
@@ -103,10 +103,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Result]:
     """CLI entry point."""
-    args = parse("bench.gpu", __doc__, argv)
-    results = run(args.smoke)
-    finish(results, args.json)
-    return results
+    return cli("bench.gpu", __doc__, run, argv)
 
 
 if __name__ == "__main__":

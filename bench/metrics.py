@@ -30,7 +30,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import sessionmaker
 
 from api_schemas import JobStatus
-from bench.common import BENCH_TOKEN, Result, finish, parse, result, scratch_database, spread
+from bench.common import BENCH_TOKEN, Result, cli, result, scratch_database, spread
 from service.app import create_app
 from service.config import Settings
 from service.jobs import rollups_repository
@@ -237,10 +237,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Result]:
     """CLI entry point."""
-    args = parse("bench.metrics", __doc__, argv)
-    results = run(args.smoke)
-    finish(results, args.json)
-    return results
+    return cli("bench.metrics", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from api_schemas import JobStatus
-from bench.common import ROOT, Result, bench_env, finish, interleaved, parse, result
+from bench.common import ROOT, Result, bench_env, cli, interleaved, result
 from bench.stack import running_stack
 
 BAR = 1.3
@@ -122,10 +122,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Result]:
     """CLI entry point."""
-    args = parse("bench.start_latency", __doc__, argv)
-    results = run(args.smoke)
-    finish(results, args.json)
-    return results
+    return cli("bench.start_latency", __doc__, run, argv)
 
 
 if __name__ == "__main__":
