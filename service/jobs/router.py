@@ -46,8 +46,14 @@ from service.etag import conditional, conditional_json
 from service.jobs import events, metrics_repository, repository, service
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
+from service.strict_json import StrictJSONRoute
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized, TooManyRequests))
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    responses=error_responses(Unauthorized, TooManyRequests),
+    route_class=StrictJSONRoute,
+)
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
 _REPLAY: dict[int | str, dict[str, object]] = {
     200: {"model": Job, "description": "A replay: the job this Idempotency-Key created"}

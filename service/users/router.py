@@ -15,10 +15,14 @@ from service.errors import (
     Unauthorized,
     error_responses,
 )
+from service.strict_json import StrictJSONRoute
 from service.users import service
 
 router = APIRouter(
-    prefix="/v1/users", tags=["users"], responses=error_responses(Unauthorized, TooManyRequests)
+    prefix="/v1/users",
+    tags=["users"],
+    responses=error_responses(Unauthorized, TooManyRequests),
+    route_class=StrictJSONRoute,
 )
 
 
