@@ -19,8 +19,9 @@ from api_schemas.jobs import (
     Resources,
     Timeline,
     Transition,
+    entrypoint_allowed,
 )
-from api_schemas.recipes import RECIPES, spec_errors
+from api_schemas.recipes import RECIPES
 from api_schemas.users import IssuedToken, UserCreate, UserInfo
 from api_schemas.workers import Worker, WorkerList
 
@@ -49,5 +50,5 @@ __all__ = [
     "UserInfo",
     "Worker",
     "WorkerList",
-    "spec_errors",
+    "entrypoint_allowed",
 ]

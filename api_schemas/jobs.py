@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import enum
+import re
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from api_schemas.base import JsonValue, Strict
+from api_schemas.recipes import RECIPES
 
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -15,12 +31,27 @@ LabelKey = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")
 ]
 LabelValue = Annotated[str, StringConstraints(max_length=256)]
+# `package.module:function`, matched whole; the function must be public (no leading underscore).
+ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z][A-Za-z0-9_]*$"
 
 
-class Strict(BaseModel):
-    """Base for request models: unknown fields are refused, so a typo never passes silently."""
+def _entrypoint_form(value: str) -> str:
+    # fullmatch, not `$`: Python's `$` also matches before a trailing newline.
+    if re.fullmatch(ENTRYPOINT_PATTERN[1:-1], value) is None:
+        raise ValueError("expected 'package.module:function' naming a public function (no leading '_')")
+    return value
 
-    model_config = ConfigDict(extra="forbid")
+
+# Checked with the other cross-field rules (for a message that lists the known ones), and named in
+# the OpenAPI schema so clients see the choices.
+RecipeName = Annotated[str, WithJsonSchema({"type": "string", "enum": sorted(RECIPES)})]
+Entrypoint = Annotated[
+    str,
+    StringConstraints(max_length=256),
+    AfterValidator(_entrypoint_form),
+    # The same rule in the OpenAPI schema, so generated clients and fuzzers know it.
+    WithJsonSchema({"type": "string", "maxLength": 256, "pattern": ENTRYPOINT_PATTERN}),
+]
 
 
 class JobStatus(str, enum.Enum):
@@ -37,10 +68,12 @@ class JobStatus(str, enum.Enum):
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 
-class Hyperparameters(BaseModel):
-    """Optimisation settings; recipe-specific extras are allowed and checked against the recipe."""
+class Hyperparameters(Strict):
+    """Optimisation settings; extras belong to the recipe (checked against its model) or the entrypoint."""
 
     model_config = ConfigDict(extra="allow")
+    # An entrypoint's extras are its own business, but still plain, finite, bounded JSON.
+    __pydantic_extra__: dict[str, JsonValue] = Field(init=False)
 
     global_batch_size: int = Field(
         64, ge=1, le=1_000_000, description="Samples per optimizer step, all ranks together."
@@ -49,7 +82,7 @@ class Hyperparameters(BaseModel):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps to run (ITER at the end).")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds model init, data and sampling.")
 
 
 class Resources(Strict):
@@ -124,10 +157,9 @@ class JobSpec(Strict):
     """What a user submits to `POST /v1/jobs`."""
 
     name: Name
-    recipe: str | None = Field(None, description="A built-in recipe, e.g. `mlp`.")
-    entrypoint: str | None = Field(
+    recipe: RecipeName | None = Field(None, description="A built-in recipe, e.g. `mlp`.")
+    entrypoint: Entrypoint | None = Field(
         None,
-        max_length=256,
         description="User code: `package.module:function` returning the engine's plan; only modules under "
         "the server's DPTRAIN_ALLOWED_ENTRYPOINTS prefixes run.",
     )
@@ -144,6 +176,75 @@ class JobSpec(Strict):
     def world_size(self) -> int:
         """Total number of ranks."""
         return self.resources.nodes * self.resources.processes_per_node
+
+    def local_batch_size(self, world_size: int | None = None) -> int:
+        """Samples per rank and step at `world_size` ranks (default: the spec's); ValueError if uneven."""
+        if (reason := self._uneven_batch(world_size or self.world_size)) is not None:
+            raise ValueError(reason)
+        return self.hyperparameters.global_batch_size // (world_size or self.world_size)
+
+    def recipe_params(self) -> BaseModel | None:
+        """A built-in recipe's extras as its model, defaults filled in; None for an entrypoint."""
+        model = RECIPES.get(self.recipe or "")
+        return model.model_validate(self.hyperparameters.model_extra or {}) if model else None
+
+    def _uneven_batch(self, world: int) -> str | None:
+        b, accum = self.hyperparameters.global_batch_size, self.engine.grad_accumulation_steps
+        if b % (world * accum) == 0:
+            return None
+        # Unequal shards or micro-batches would weight samples unequally in the averaged gradient, so
+        # the update would no longer be the global-batch mean's: refuse rather than mis-split.
+        if accum == 1:
+            return f"global_batch_size {b} is not divisible by the world size {world}"
+        return (
+            f"global_batch_size {b} is not divisible by the world size {world} x "
+            f"engine.grad_accumulation_steps {accum} = {world * accum} (equal micro-batches on every rank)"
+        )
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> JobSpec:
+        # Rules across fields live here, on the model, so that every reader of a spec (the API at
+        # submit, the engine reading spec.json) applies the same ones; each error keeps its field path.
+        errors: list[InitErrorDetails] = []
+
+        def refuse(loc: tuple[str | int, ...], reason: str, value: Any, kind: str = "value_error") -> None:
+            # The reason goes in as context, not as the template: it may contain braces.
+            errors.append(
+                {
+                    "type": PydanticCustomError(kind, "{reason}", {"reason": reason}),
+                    "loc": loc,
+                    "input": value,
+                }
+            )
+
+        if (self.recipe is None) == (self.entrypoint is None):
+            refuse(("recipe",), "exactly one of 'recipe' or 'entrypoint' must be given", self.recipe)
+        if self.recipe is not None and self.recipe not in RECIPES:
+            refuse(
+                ("recipe",),
+                f"unknown recipe {self.recipe!r}; known: {', '.join(sorted(RECIPES))}",
+                self.recipe,
+            )
+        if (reason := self._uneven_batch(self.world_size)) is not None:
+            refuse(("hyperparameters", "global_batch_size"), reason, self.hyperparameters.global_batch_size)
+        if (model := RECIPES.get(self.recipe or "")) is not None:
+            try:
+                model.model_validate(self.hyperparameters.model_extra or {})
+            except ValidationError as exc:
+                for e in exc.errors():
+                    msg = e["msg"]
+                    if e["type"] == "extra_forbidden":
+                        msg = f"not a hyperparameter of recipe {self.recipe!r}"
+                    refuse(("hyperparameters", *e["loc"]), msg, e.get("input"), e["type"])
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
+
+def entrypoint_allowed(entrypoint: str, allowed_prefixes: Sequence[str]) -> bool:
+    """Whether `package.module:function` lies under one of the allowed module prefixes."""
+    module = entrypoint.partition(":")[0]
+    return any(module == p or module.startswith(p + ".") for p in allowed_prefixes if p)
 
 
 class Progress(BaseModel):

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from api_schemas import JobSpec
 from bench.common import Result, finish, interleaved, parse, result, timed
 from workers.engine import distributed as D
 from workers.engine.checkpoint import CheckpointManager, LoadedCheckpoint
-from workers.engine.config import JobConfig
 from workers.engine.data import mix_seed
 from workers.engine.events import EventWriter
-from workers.engine.recipes import RECIPES
+from workers.engine.recipes import RECIPES, plan_params
 from workers.engine.trainer import Trainer
 
 SEED = 0
@@ -72,6 +72,7 @@ class NoCheckpoints(CheckpointManager):
 
 def _spec(case: Case, device: str = "cpu", precision: str = "fp32") -> dict[str, Any]:
     return {
+        "name": "overhead-bench",
         "recipe": case.recipe,
         "hyperparameters": {
             "global_batch_size": case.batch,
@@ -96,15 +97,15 @@ def engine_side(
 ) -> tuple[Callable[[], None], Trainer]:
     """A Trainer as `workers.engine.main.run` builds it; the callable trains `case.steps` steps."""
     device = device or torch.device("cpu")
-    cfg = JobConfig.from_spec(_spec(case, device.type, precision))
+    cfg = JobSpec.model_validate(_spec(case, device.type, precision))
     torch.manual_seed(SEED)
-    plan = RECIPES[case.recipe](cfg.recipe_params, SEED)
+    plan = RECIPES[case.recipe](plan_params(cfg), SEED)
     events = EventWriter(run_dir / "events" / "rank0.jsonl", 0)
     ckpt = NoCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, True, cfg.checkpoint.every_steps)
     trainer = Trainer(cfg, plan, D.DistEnv(), device, events, ckpt, backend=backend)
 
     def run() -> None:
-        trainer.iter = 0  # train() runs from ITER to cfg.training.steps: the same steps every round
+        trainer.iter = 0  # train() runs from ITER to cfg.hyperparameters.steps: the same steps every round
         trainer.train()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

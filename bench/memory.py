@@ -35,8 +35,8 @@ from typing import Any, cast
 
 import torch
 
+from api_schemas import JobSpec
 from workers.engine import distributed as D
-from workers.engine.config import JobConfig
 from workers.engine.memory import checkpointed_parts
 from workers.engine.recipes import RECIPES
 from workers.engine.trainer import Trainer
@@ -159,6 +159,7 @@ class SavedForBackward:
 def _trainer(case: Case, checkpointing: bool, steps: int, device: torch.device) -> Trainer:
     extras = {**case.extras, "dataset_size": case.batch * (steps + 1)}
     spec = {
+        "name": "memory-bench",
         "recipe": case.recipe,
         "hyperparameters": {"global_batch_size": case.batch, "momentum": 0.9, "seed": SEED, **extras},
         "resources": {"device": device.type},
@@ -167,7 +168,7 @@ def _trainer(case: Case, checkpointing: bool, steps: int, device: torch.device) 
     torch.manual_seed(SEED)
     plan = RECIPES[case.recipe](extras, SEED)
     # Events and checkpoints are never touched: only wrap() and the training step run here.
-    return Trainer(JobConfig.from_spec(spec), plan, D.DistEnv(), device, cast(Any, None), cast(Any, None))
+    return Trainer(JobSpec.model_validate(spec), plan, D.DistEnv(), device, cast(Any, None), cast(Any, None))
 
 
 def measure(case: Case, checkpointing: bool, steps: int, device: torch.device) -> Measurement:

@@ -18,7 +18,6 @@ In a throwaway database (migrated to head, dropped afterwards):
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 import uuid
@@ -30,11 +29,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import sessionmaker
 
+from api_schemas import JobStatus
 from bench.common import BENCH_TOKEN, Result, finish, parse, result, scratch_database, spread
 from service.app import create_app
 from service.config import Settings
 from service.jobs import rollups_repository
 from service.models import Job
+from workers.engine.events import MetricsEvent
 from workers.reporting import Reporter
 
 INGEST_BAR = 10_000.0
@@ -61,8 +62,8 @@ def ingest(url: str, job_id: str, *, points: int, chunk_points: int, base: Path)
     token = uuid.uuid4().hex
     with engine.begin() as conn:
         conn.execute(
-            text("UPDATE jobs SET claim_token = :t, status = 'running', attempt = 1 WHERE id = :id"),
-            {"t": token, "id": job_id},
+            text("UPDATE jobs SET claim_token = :t, status = :running, attempt = 1 WHERE id = :id"),
+            {"t": token, "running": JobStatus.RUNNING.value, "id": job_id},
         )
     sessions = sessionmaker(engine, expire_on_commit=False)
     run_dir = base / "run"
@@ -78,9 +79,7 @@ def ingest(url: str, job_id: str, *, points: int, chunk_points: int, base: Path)
             for _ in range(per_chunk):
                 step += 1
                 values = {"loss": 1 / step, "lr": 0.05, "samples_per_s": 1000.0 + step, "step_time_s": 0.01}
-                lines.append(
-                    json.dumps({"type": "metrics", "time": time.time(), "step": step, "values": values})
-                )
+                lines.append(MetricsEvent(step=step, values=values).model_dump_json())
             f.write("\n".join(lines) + "\n")
             f.flush()
             start = time.perf_counter()

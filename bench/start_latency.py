@@ -27,12 +27,12 @@ from pathlib import Path
 
 import httpx
 
+from api_schemas import JobStatus
 from bench.common import ROOT, Result, bench_env, finish, interleaved, parse, result
 from bench.stack import running_stack
 
 BAR = 1.3
 HELLO = ROOT / "bench" / "baselines" / "hello.py"
-TERMINAL = {"succeeded", "failed", "cancelled"}
 SPEC = {
     "name": "bench-start",
     "recipe": "mlp",
@@ -63,8 +63,9 @@ def job_start(http: httpx.Client, timeout: float = 120) -> float:
         r = http.get(f"/v1/jobs/{job_id}")
         assert r.status_code == 200, f"GET job: expected 200, got {r.status_code} {r.text[:300]}"
         job = r.json()
-        if job["status"] in TERMINAL:
-            if job["status"] != "succeeded":
+        status = JobStatus(job["status"])
+        if status.is_terminal():
+            if status is not JobStatus.SUCCEEDED:
                 raise RuntimeError(f"job {job_id} ended {job['status']}: {job.get('error')}")
             return latency
         time.sleep(0.05)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from api_schemas import JobStatus
 from dptrain_cli import server, users
 from dptrain_cli.client import ApiError, Client
 
@@ -27,12 +29,26 @@ app.command()(server.up)
 app.add_typer(users.app, name="users")
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED = 0, 1, 2, 3
-TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading `1e-4` as the float YAML 1.2 says it is.
+
+    PyYAML follows YAML 1.1, where a float needs a dot (`1.0e-4`); `lr: 1e-4` would reach the API
+    as the string "1e-4", which the spec's strict types refuse.
+    """
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def _load_spec(path: Path) -> dict[str, Any]:
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)
     if not isinstance(data, dict):
         raise typer.BadParameter(f"{path} does not hold a job spec object")
     return data
@@ -49,11 +65,11 @@ def _refused(exc: ApiError) -> typer.Exit:
 
 
 def _exit_for(job: dict[str, Any]) -> int:
-    return EXIT_SUCCEEDED if job["status"] == "succeeded" else EXIT_FAILED
+    return EXIT_SUCCEEDED if JobStatus(job["status"]) is JobStatus.SUCCEEDED else EXIT_FAILED
 
 
 def _report_end(job: dict[str, Any]) -> None:
-    colour = "green" if job["status"] == "succeeded" else "red"
+    colour = "green" if JobStatus(job["status"]) is JobStatus.SUCCEEDED else "red"
     out.print(f"job {job['id']} [{colour}]{job['status']}[/{colour}] at step {job['progress']['step']}")
     if job.get("error"):
         e = job["error"]
@@ -82,7 +98,7 @@ def submit(
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
     with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task(job["status"], total=job["progress"]["total_steps"])
-        while job["status"] not in TERMINAL:
+        while not JobStatus(job["status"]).is_terminal():
             if deadline is not None and time.monotonic() > deadline:
                 err.print(
                     f"[yellow]timed out after {timeout:g} s; job {job['id']} is {job['status']}[/yellow]"
@@ -155,7 +171,7 @@ def logs(
                     continue
                 return
             if not page["items"]:
-                if client.get(job_id)["status"] in TERMINAL:
+                if JobStatus(client.get(job_id)["status"]).is_terminal():
                     return
                 time.sleep(1.0)
     except ApiError as exc:

@@ -145,8 +145,8 @@ class BearerUser(HTTPBearer):
     only on a miss; the cached user is detached and read-only.
 
     An `HTTPBearer` itself (so OpenAPI still shows the bearer scheme) rather than a function that
-    depends on one: every request authenticates, and FastAPI's solving of each dependency level
-    was a tenth of a cached poll's CPU (bench/findings.md, section 4).
+    depends on one: every request authenticates, and FastAPI solves each dependency level anew
+    per request, a visible share of a cached poll's CPU (bench/findings.md, section 4).
     """
 
     def __init__(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobStatus
+from api_schemas import JobError, JobStatus
 from service.jobs import lifecycle
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ NOT_RETRIED = frozenset(
     {
         "FloatingPointError",
         "ValueError",
+        # pydantic's, for a spec.json its JobSpec refuses (a ValueError, but named as itself).
+        "ValidationError",
         "TypeError",
         "KeyError",
         "IndexError",
@@ -42,9 +44,9 @@ NOT_RETRIED = frozenset(
 )
 
 
-def is_retryable(error: dict[str, Any]) -> bool:
+def is_retryable(error: JobError) -> bool:
     """Whether an attempt that ended with `error` may be restarted (if the job has restarts left)."""
-    return str(error.get("type")) not in NOT_RETRIED
+    return error.type not in NOT_RETRIED
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Attempt:
     max_restarts: int
 
 
-def end_abnormally(sessions: sessionmaker[Session], *, att: Attempt, error: dict[str, Any]) -> JobStatus:
+def end_abnormally(sessions: sessionmaker[Session], *, att: Attempt, error: JobError) -> JobStatus:
     """End a failed attempt: requeue the job while restarts remain (placement starts it again), else fail it.
 
     Both are conditional on the attempt's claim token, so only one of the attempt's nodes (or the
@@ -65,18 +67,22 @@ def end_abnormally(sessions: sessionmaker[Session], *, att: Attempt, error: dict
     """
     if is_retryable(error) and att.number <= att.max_restarts:
         reason = (
-            f"restarting after attempt {att.number} of {att.max_restarts + 1}: "
-            f"{error.get('type')}: {error.get('message')}"
+            f"restarting after attempt {att.number} of {att.max_restarts + 1}: {error.type}: {error.message}"
         )
         values = {
             "claim_token": None,
             "worker": None,
-            "error": error,
             "step": lifecycle.resume_step(att.job_id),
             "queued_reason": "restarting: waiting for placement",
         }
         finish(
-            sessions, job_id=att.job_id, token=att.token, dst=JobStatus.QUEUED, reason=reason, values=values
+            sessions,
+            job_id=att.job_id,
+            token=att.token,
+            dst=JobStatus.QUEUED,
+            error=error,
+            reason=reason,
+            values=values,
         )
         return JobStatus.QUEUED
     finish(sessions, job_id=att.job_id, token=att.token, dst=JobStatus.FAILED, error=error)
@@ -89,7 +95,7 @@ def finish(
     job_id: str,
     token: str,
     dst: JobStatus,
-    error: dict[str, Any] | None = None,
+    error: JobError | None = None,
     reason: str | None = None,
     values: dict[str, Any] | None = None,
 ) -> bool:
@@ -97,7 +103,8 @@ def finish(
 
     False if the attempt no longer owned the job (its lease was taken away): nothing is written.
     """
-    values = {**({"error": error} if error else {}), **(values or {})}
+    # The one place a job's `error` column is written from (placement's claim only clears it).
+    values = {**(values or {}), **({"error": error.model_dump()} if error else {})}
     delay = 0.5
     give_up = time.monotonic() + FINISH_RETRY_SECONDS
     while True:
@@ -109,7 +116,7 @@ def finish(
                     src=JobStatus.RUNNING,
                     dst=dst,
                     claim_token=token,
-                    reason=reason or (error or {}).get("message"),
+                    reason=reason or (error.message if error else None),
                     values=values,
                 )
             return done is not None

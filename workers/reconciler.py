@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobStatus
+from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.dispatch import Dispatcher
 from service.jobs import repository
@@ -77,7 +77,7 @@ def recover_lost(
         # Ranks the dead worker left on this host must not keep writing checkpoints; on other hosts
         # the next attempt's runner sweeps them before it starts.
         sweep_ranks(job_id, node=worker)
-        error = {"type": "WorkerLost", "message": why, "rank": None}
+        error = JobError(type="WorkerLost", message=why)
         status = end_abnormally(sessions, att=att, error=error)
         log.warning("job %s: %s; %s", job_id, why, "requeued" if status is JobStatus.QUEUED else "failed")
     return list(lost)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -10,10 +9,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
+from api_schemas import JobError
 from service.jobs import repository
 from service.models.base import utcnow
+from workers.engine.events import (
+    CheckpointEvent,
+    ErrorEvent,
+    Event,
+    FinishedEvent,
+    MetricsEvent,
+    StartedEvent,
+    parse_event,
+)
 from workers.tail import TailSet
 
 log = logging.getLogger(__name__)
@@ -26,6 +36,12 @@ def _rank_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _why(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
 @dataclass
 class RunState:
     """What the launcher has learnt about the attempt so far."""
@@ -35,7 +51,7 @@ class RunState:
     finished: bool = False
     # A rank started training (so the rendezvous, if any, completed).
     started: bool = False
-    errors: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[ErrorEvent] = field(default_factory=list)
     cancel_requested: bool = False
     fenced_out: bool = False
 
@@ -75,19 +91,21 @@ class Reporter:
             self._logs.append(
                 {"job_id": self.job_id, "attempt": self.attempt, "rank": _rank_of(path), "line": line}
             )
-        for _path, line in self.events.read(final=final):
+        for path, line in self.events.read(final=final):
             try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                log.warning("job %s: unreadable event line %r", self.job_id, line[:200])
+                event = parse_event(line)
+            except ValidationError as exc:
+                # Skipped, never fatal: a line cut by a rank's crash, or one this runner cannot read.
+                log.warning(
+                    "job %s: skipped an event in %s (%s): %r", self.job_id, path.name, _why(exc), line[:200]
+                )
                 continue
             self._apply(event)
 
-    def _apply(self, event: dict[str, Any]) -> None:
-        kind = event.get("type")
-        if kind == "metrics":
-            step = int(event["step"])
-            values = {k: float(v) for k, v in event.get("values", {}).items()}
+    def _apply(self, event: Event) -> None:
+        if isinstance(event, MetricsEvent):
+            step = event.step
+            values = event.values
             bad = [k for k, v in values.items() if not math.isfinite(v)]
             if bad:
                 # JSON (the API, JSONB) has no NaN or infinity; a non-finite value is reported in the
@@ -101,28 +119,28 @@ class Reporter:
             self.state.latest_metrics.update(values)
             self.state.step = max(self.state.step, step)
             self._progress_dirty = True
-        elif kind == "started":
+        elif isinstance(event, StartedEvent):
             self.state.started = True
-            self.state.step = max(self.state.step, int(event.get("start_iter", 0)))
+            self.state.step = max(self.state.step, event.start_iter)
             self._progress_dirty = True
-        elif kind == "checkpoint":
+        elif isinstance(event, CheckpointEvent):
             self._checkpoints.append(
                 {
                     "job_id": self.job_id,
                     "attempt": self.attempt,
-                    "step": int(event["step"]),
-                    "path": str(event["path"]),
-                    "size_bytes": int(event["size_bytes"]),
-                    "sha256": str(event["sha256"]),
+                    "step": event.step,
+                    "path": event.path,
+                    "size_bytes": event.size_bytes,
+                    "sha256": event.sha256,
                     "created_at": utcnow(),
                 }
             )
-            self._deleted.extend(str(p) for p in event.get("deleted", []))
-        elif kind == "finished":
+            self._deleted.extend(event.deleted)
+        elif isinstance(event, FinishedEvent):
             self.state.finished = True
-            self.state.step = max(self.state.step, int(event.get("step", 0)))
+            self.state.step = max(self.state.step, event.step)
             self._progress_dirty = True
-        elif kind == "error":
+        elif isinstance(event, ErrorEvent):
             self.state.errors.append(event)
 
     @property
@@ -159,14 +177,13 @@ class Reporter:
         self._progress_dirty = False
         return True
 
-    def root_error(self) -> dict[str, Any] | None:
+    def root_error(self) -> JobError | None:
         """The first error any rank reported (later ones are usually peers losing their connection)."""
         if not self.state.errors:
             return None
-        first = min(self.state.errors, key=lambda e: float(e.get("time", 0.0)))
-        return {
-            "type": str(first.get("error_type", "Error")),
-            "message": str(first.get("message", "")),
-            "rank": first.get("rank"),
-            "traceback": first.get("traceback"),
-        }
+        return job_error(min(self.state.errors, key=lambda e: e.time))
+
+
+def job_error(event: ErrorEvent) -> JobError:
+    """The job's error body for a rank's error event: the one place the two shapes meet."""
+    return JobError(type=event.error_type, message=event.message, rank=event.rank, traceback=event.traceback)

@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobStatus
+from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import repository as jobs_repository
@@ -30,13 +30,13 @@ from service.models.base import utcnow
 from service.scheduling import repository as placement
 from workers.attempts import Attempt, end_abnormally, finish
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
+from workers.engine.events import TRACEBACK_TAIL_LINES
 from workers.engine.launch import SUPERVISOR_ENV, Rendezvous, supervisor_id, torchrun_command
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.reporting import Reporter
 
 log = logging.getLogger(__name__)
 
-TRACEBACK_TAIL_LINES = 40
 FIRST_REPORT_POLL_SECONDS = 0.05
 FINAL_FLUSH_SECONDS = 300
 # (job, attempt) of the nodes this worker process runs right now, counted: the Celery pool's threads
@@ -199,7 +199,7 @@ def _run_node(
         return _supervise(sessions=sessions, settings=settings, run=run, paths=paths)
     except Exception as exc:
         log.exception("job %s: the launcher itself failed", job_id)
-        error = {"type": "LauncherError", "message": f"{type(exc).__name__}: {exc}", "rank": None}
+        error = JobError(type="LauncherError", message=f"{type(exc).__name__}: {exc}")
         return end_abnormally(sessions, att=run.att, error=error)
     finally:
         # This node's ranks are gone: its slots are free for placement even if the others still run.
@@ -225,7 +225,7 @@ def _supervise(
     paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     if missing := missing_checkpoints(sessions, job_id=job_id, directory=paths.checkpoint_dir):
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
-        error = {"type": "CheckpointMissing", "message": missing, "rank": None}
+        error = JobError(type="CheckpointMissing", message=missing)
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
@@ -332,7 +332,7 @@ def _record_outcome(
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.CANCELLED, reason="cancel requested")
         return JobStatus.CANCELLED
     if stopped_for == "deadline":
-        error = {"type": "DeadlineExceeded", "message": f"deadline exceeded ({max_runtime} s)", "rank": None}
+        error = JobError(type="DeadlineExceeded", message=f"deadline exceeded ({max_runtime} s)")
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
         return JobStatus.FAILED
     if rc == 0 and reporter.state.finished:
@@ -347,7 +347,7 @@ def _record_outcome(
     return end_abnormally(sessions, att=att, error=error)
 
 
-def _launcher_error(log_path: Path, *, rc: int, started: bool) -> dict[str, Any]:
+def _launcher_error(log_path: Path, *, rc: int, started: bool) -> JobError:
     """The error of an attempt whose ranks reported none: torchrun's own failure, often the rendezvous."""
     tail = _tail(log_path)
     if not started and tail and "Rendezvous" in tail:
@@ -356,7 +356,7 @@ def _launcher_error(log_path: Path, *, rc: int, started: bool) -> dict[str, Any]
         kind, message = "ProcessExited", f"rank processes exited with code {rc}"
     else:
         kind, message = "ProcessExited", "ranks exited without finishing"
-    return {"type": kind, "message": message, "rank": None, "traceback": tail}
+    return JobError(type=kind, message=message, traceback=tail)
 
 
 def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:

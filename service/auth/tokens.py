@@ -21,11 +21,6 @@ def new_token() -> str:
     return "dpt_" + secrets.token_urlsafe(32)
 
 
-def user_for_token(session: Session, *, token: str) -> User | None:
-    """The user a valid, unrevoked token belongs to."""
-    return repository.user_for_token_hash(session, token_hash=hash_token(token))
-
-
 def ensure_bootstrap_admin(session: Session, *, token: str, name: str = "admin") -> User:
     """Make sure an admin named `name` exists and `token` is one of its tokens (idempotent).
 

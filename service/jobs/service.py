@@ -22,7 +22,6 @@ from api_schemas import (
     Timeline,
     Transition,
 )
-from api_schemas.recipes import recipe_params
 from service.errors import Conflict, InvalidTransition, NotFound
 from service.etag import etag_of_version
 from service.jobs import lifecycle, repository, stored
@@ -70,7 +69,8 @@ def _row_values(*, user: User, spec: JobSpec) -> dict[str, Any]:
     stored = spec.model_dump(mode="json")
     # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
     # shows is exactly what ran, whatever later versions choose as defaults.
-    stored["hyperparameters"].update(recipe_params(spec))
+    if (params := spec.recipe_params()) is not None:
+        stored["hyperparameters"].update(params.model_dump(mode="json"))
     return {
         "id": uuid.uuid4().hex,
         "name": spec.name,
@@ -191,7 +191,7 @@ def list_jobs(
         owner_id=_visible_owner(user),
         limit=limit + 1,
         after=after,
-        status=status.value if status else None,
+        status=status,
         labels=labels,
         updated_since=updated_since,
     )
@@ -241,11 +241,6 @@ def get_checkpoint(session: Session, *, user: User, job_id: str, checkpoint_id: 
     if ckpt is None:
         raise NotFound(f"checkpoint {checkpoint_id} of job {job_id!r} not found")
     return ckpt
-
-
-def metric_names(query: str | None) -> list[str] | None:
-    """Parse a comma-separated `name` filter."""
-    return [n for n in query.split(",") if n] if query else None
 
 
 def parse_labels(pairs: list[str]) -> dict[str, str]:

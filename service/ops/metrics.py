@@ -55,7 +55,9 @@ class DatabaseCollector(Collector):
             jobs.add_metric([status.value], counts.get(status.value, 0))
         yield jobs
         yield GaugeMetricFamily(
-            "dptrain_queue_depth", "Jobs queued and not yet started.", value=counts.get("queued", 0)
+            "dptrain_queue_depth",
+            "Jobs queued and not yet started.",
+            value=counts.get(JobStatus.QUEUED.value, 0),
         )
         yield _start_delays([(s - c).total_seconds() for c, s in delays])
         ages = GaugeMetricFamily(

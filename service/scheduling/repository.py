@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from sqlalchemy import ColumnElement, Table, bindparam, case, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from api_schemas import Resources
+from api_schemas import JobStatus, Resources
 from service.db import is_postgresql
 from service.jobs.stored import describe
 from service.models import Job, JobNode, Worker
@@ -82,7 +82,7 @@ def queued_in_order(session: Session, *, limit: int) -> tuple[list[Queued], list
         resources = case((kind == "object", resources))
     stmt = (
         select(Job.id, Job.owner_id, kind, resources, Job.queued_reason)
-        .where(Job.status == "queued")
+        .where(Job.status == JobStatus.QUEUED.value)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
         .limit(limit)
     )
@@ -111,7 +111,9 @@ def _needs(resources: str | None) -> QueuedNeeds | str:
 
 def running_per_owner(session: Session) -> dict[int, int]:
     """How many jobs each owner has running."""
-    stmt = select(Job.owner_id, func.count()).where(Job.status == "running").group_by(Job.owner_id)
+    stmt = (
+        select(Job.owner_id, func.count()).where(Job.status == JobStatus.RUNNING.value).group_by(Job.owner_id)
+    )
     return {int(o): int(n) for o, n in session.execute(stmt)}
 
 
@@ -126,7 +128,7 @@ def set_reasons(session: Session, *, reasons: dict[str, str]) -> None:
         update(jobs)
         .where(
             jobs.c.id == bindparam("job_id"),
-            jobs.c.status == "queued",
+            jobs.c.status == JobStatus.QUEUED.value,
             jobs.c.queued_reason.is_distinct_from(bindparam("reason")),
         )
         .values(queued_reason=bindparam("reason"))  # and updated_at, by the column's onupdate
@@ -217,7 +219,11 @@ def leases(
         )
         .join(JobNode, JobNode.job_id == Job.id)
         .outerjoin(Worker, Worker.name == JobNode.worker)
-        .where(Job.status == "running", Job.claim_token.is_not(None), JobNode.attempt == Job.attempt)
+        .where(
+            Job.status == JobStatus.RUNNING.value,
+            Job.claim_token.is_not(None),
+            JobNode.attempt == Job.attempt,
+        )
         .order_by(Job.id, JobNode.node_rank)
     )
     return [

@@ -24,10 +24,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from api_schemas import JobSpec
+from api_schemas.recipes import CnnBnParams, LstmLmParams, MlpParams
 from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
-from workers.engine.config import JobConfig
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.main import main
 from workers.engine.memory import checkpoint_activations, segment_bounds
 from workers.engine.recipes import cnn_bn, lstm_lm, mlp
@@ -98,7 +100,7 @@ class TestMlpUnderTorchrun:
 
     def test_checkpoint_keys_are_plain_and_load_into_the_bare_model(self, launch: Callable[..., Any]) -> None:
         state = launch(2, True, **WORLD_2).checkpoint(STEPS)["model"]
-        bare = mlp.build_model(mlp.MlpConfig(num_layers=NUM_LAYERS))
+        bare = mlp.build_model(MlpParams(num_layers=NUM_LAYERS))
         expected = set(bare.state_dict())
         assert set(state) == expected, (
             f"expected the bare model's keys {sorted(expected)}, got {sorted(state)}"
@@ -111,6 +113,7 @@ class TestMlpUnderTorchrun:
 
 def _spec(recipe: str, checkpointing: bool, **checkpoint: Any) -> dict[str, Any]:
     return {
+        "name": "activation-checkpointing",
         "recipe": recipe,
         "hyperparameters": {
             "global_batch_size": 16,
@@ -157,7 +160,7 @@ def _initial(recipe: str) -> dict[str, torch.Tensor]:
 
 def _load(ckpt: Path, step: int) -> dict[str, Any]:
     return cast(
-        dict[str, Any], torch.load(ckpt / f"ckpt-{step:09d}.pt", weights_only=True, map_location="cpu")
+        dict[str, Any], torch.load(ckpt / checkpoint_name(step), weights_only=True, map_location="cpu")
     )
 
 
@@ -174,8 +177,9 @@ def in_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
     resumed = base / "resumed-checkpoints"
     resumed.mkdir()
-    for name in (f"ckpt-{STEPS // 2:09d}.pt", f"ckpt-{STEPS // 2:09d}.pt.sha256"):
-        shutil.copy(dirs["cnn_bn-on"] / name, resumed / name)
+    src = dirs["cnn_bn-on"] / checkpoint_name(STEPS // 2)
+    for path in (src, CheckpointManager.sidecar_for(src)):
+        shutil.copy(path, resumed / path.name)
     dirs["cnn_bn-resumed"] = _main(base, "resumed", _spec("cnn_bn", True), checkpoint_dir=resumed)
     return dirs
 
@@ -206,7 +210,7 @@ class TestWorld1InProcess:
         full, resumed = _load(in_process["cnn_bn-on"], STEPS), _load(in_process["cnn_bn-resumed"], STEPS)
         assert resumed["iter"] == STEPS, f"expected iter {STEPS}, got {resumed['iter']}"
         _assert_same(full["model"], resumed["model"], "cnn_bn resumed from step 3 vs uninterrupted")
-        bare = cnn_bn.build_model(cnn_bn.CnnBnConfig())
+        bare = cnn_bn.build_model(CnnBnParams())
         assert set(full["model"]) == set(bare.state_dict()), (
             f"expected plain keys, got {sorted(full['model'])}"
         )
@@ -222,7 +226,7 @@ class TestPolicy:
             assert got == expected, f"segment_bounds({n}): expected {expected}, got {got}"
 
     def test_default_and_recipe_policies(self) -> None:
-        model = lstm_lm.build_model(lstm_lm.LstmLmConfig())
+        model = lstm_lm.build_model(LstmLmParams())
         names = dict(model.named_parameters())
         got = checkpoint_activations(model)
         expected = ["embedding", "lstm (in time chunks)", "head"]
@@ -237,7 +241,7 @@ class TestPolicy:
         assert again == got, f"expected a second call to change nothing, got {again}"
 
     def test_sync_batchnorm_is_never_recomputed(self) -> None:
-        model = convert_sync_batchnorm(cnn_bn.build_model(cnn_bn.CnnBnConfig()), torch.device("cpu"))
+        model = convert_sync_batchnorm(cnn_bn.build_model(CnnBnParams()), torch.device("cpu"))
         got = checkpoint_activations(model)
         assert got == [], f"expected no segment holding a SyncBatchNorm to be checkpointed, got {got}"
 
@@ -259,7 +263,7 @@ class TestPolicy:
     @pytest.mark.parametrize("per_module", [False, True], ids=["segments", "per-module"])
     def test_copies_recompute_their_own_modules(self, per_module: bool) -> None:
         # A deep copy's (re)compute must use the copy's weights and buffers, never the original's.
-        model = cnn_bn.build_model(cnn_bn.CnnBnConfig())
+        model = cnn_bn.build_model(CnnBnParams())
         checkpoint_activations(model, (lambda m: isinstance(m, nn.BatchNorm2d)) if per_module else None)
         twin = copy.deepcopy(model)
         twin(torch.randn(4, 3, 8, 8)).sum().backward()
@@ -288,7 +292,7 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
         torch.manual_seed(0)
         plan = mlp.build({"dataset_size": 64, "num_layers": NUM_LAYERS}, 0)
         env = D.DistEnv(rank=rank, world_size=2, launched=True)
-        cfg = JobConfig.from_spec(spec)
+        cfg = JobSpec.model_validate(spec)
         # No events or checkpoints: only wrap() and forward/backward run here.
         trainer = Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
         trainer.wrap()

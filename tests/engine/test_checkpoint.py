@@ -6,6 +6,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,13 @@ import torch
 import xxhash
 
 from workers.engine import checkpoint, hashed_file
-from workers.engine.checkpoint import CheckpointManager
+from workers.engine.checkpoint import (
+    CheckpointManager,
+    checkpoint_files,
+    checkpoint_name,
+    step_of,
+    temp_path,
+)
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
@@ -30,6 +37,11 @@ def _takes_o_direct(directory: Path) -> bool:
     finally:
         (directory / "probe").unlink(missing_ok=True)
     return True
+
+
+def _with_sidecars(path: Path) -> list[str]:
+    """The names a saved checkpoint leaves in its directory, sorted."""
+    return sorted(p.name for p in (path, *CheckpointManager.sidecars(path)))
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -155,11 +167,7 @@ class TestHashWhileWriting:
             err = err.__cause__ or err.__context__
         assert any(getattr(e, "errno", None) == errno.ENOSPC for e in chain), f"expected ENOSPC in {chain}"
         names = sorted(p.name for p in tmp_path.iterdir())
-        assert names == [
-            "ckpt-000000001.pt",
-            "ckpt-000000001.pt.sha256",
-            "ckpt-000000001.pt.xxh128",
-        ], f"left behind: {names}"
+        assert names == _with_sidecars(mgr.path_for(1)), f"left behind: {names}"
         monkeypatch.undo()
         assert mgr.read(1).state["iter"] == 1, "expected the previous checkpoint intact"
 
@@ -192,7 +200,7 @@ class TestVerifiedRead:
             raise AssertionError("torch.load ran on bytes that fail their checksum")
 
         monkeypatch.setattr(torch, "load", no_load)
-        refused = rf"ckpt-000000001\.pt: {checked} [0-9a-f]{{32,64}} != sidecar's"
+        refused = rf"{re.escape(checkpoint_name(1))}: {checked} [0-9a-f]{{32,64}} != sidecar's"
         with pytest.raises(ValueError, match=refused):
             mgr.read(1)
 
@@ -235,23 +243,69 @@ class TestPruning:
         saved = mgr.save(2, _state(2))
         assert saved is not None and saved.deleted == [mgr.path_for(1)], f"expected step 1 pruned: {saved}"
         assert mgr.steps() == [2], f"expected only step 2 listed right after the save, got {mgr.steps()}"
-        for sidecar in (mgr.sidecar_for(mgr.path_for(1)), mgr.fast_sidecar_for(mgr.path_for(1))):
+        for sidecar in mgr.sidecars(mgr.path_for(1)):
             assert not sidecar.exists(), f"expected the pruned sidecar {sidecar.name} gone"
         mgr.wait_pruned()
         names = sorted(p.name for p in tmp_path.iterdir())
-        assert names == [
-            "ckpt-000000002.pt",
-            "ckpt-000000002.pt.sha256",
-            "ckpt-000000002.pt.xxh128",
-        ], f"left behind: {names}"
+        assert names == _with_sidecars(mgr.path_for(2)), f"left behind: {names}"
 
     def test_a_writer_dying_before_the_unlink_leaves_a_file_the_next_one_sweeps(self, tmp_path: Path) -> None:
         mgr = CheckpointManager(tmp_path, keep_last=1, is_main=True)
         mgr.save(1, _state(1))
-        leftover = tmp_path / ".ckpt-000000001.pt.tmp-12345-pruned"  # as a killed writer leaves it
+        leftover = temp_path(mgr.path_for(1), tag="-pruned")  # as a killed writer leaves it
         mgr.path_for(1).rename(leftover)
         CheckpointManager(tmp_path, keep_last=1, is_main=True)
         assert not leftover.exists(), "expected the next writer to sweep a pruned file left behind"
+
+
+class TestNames:
+    @pytest.mark.parametrize("step", [0, 1, 100, 999_999_999])
+    def test_a_name_round_trips_to_its_step(self, tmp_path: Path, step: int) -> None:
+        name = checkpoint_name(step)
+        assert step_of(name) == step and step_of(tmp_path / name) == step, f"{name}: expected step {step}"
+
+    @pytest.mark.parametrize("step", [-1, 10**9])
+    def test_a_step_nine_digits_cannot_hold_has_no_name(self, step: int) -> None:
+        with pytest.raises(ValueError, match="no checkpoint name"):
+            checkpoint_name(step)
+
+    @pytest.mark.parametrize(
+        "name",
+        [
+            "ckpt-1.pt",
+            "ckpt-0000000001.pt",
+            "ckpt-00000000a.pt",
+            "ckpt--00000001.pt",
+            "ckpt-000000001.pth",
+            "xckpt-000000001.pt",
+            "ckpt-000000001.pt\n",
+            "ckpt-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0661.pt",  # Arabic-Indic digits
+            "model.pt",
+        ],
+    )
+    def test_a_foreign_name_has_no_step(self, name: str) -> None:
+        assert step_of(name) is None, f"{name!r}: expected no step"
+
+    def test_sidecars_and_temp_files_are_not_checkpoints(self, tmp_path: Path) -> None:
+        path = tmp_path / checkpoint_name(7)
+        others = [*CheckpointManager.sidecars(path), temp_path(path), temp_path(path, tag="-pruned")]
+        assert [p.name for p in others] == [
+            f"{path.name}.sha256",
+            f"{path.name}.xxh128",
+            f".{path.name}.tmp-{os.getpid()}",
+            f".{path.name}.tmp-{os.getpid()}-pruned",
+        ], others
+        assert [step_of(p) for p in others] == [None] * 4, f"expected none of {others} taken for a checkpoint"
+
+    def test_a_listing_holds_checkpoints_only_oldest_first(self, tmp_path: Path) -> None:
+        for step in (10, 2):
+            path = tmp_path / checkpoint_name(step)
+            for p in (path, *CheckpointManager.sidecars(path), temp_path(path)):
+                p.write_bytes(b"x")
+        (tmp_path / "ckpt-3.pt").write_bytes(b"x")
+        found = list(checkpoint_files(tmp_path).items())
+        assert found == [(s, tmp_path / checkpoint_name(s)) for s in (2, 10)], f"got {found}"
+        assert checkpoint_files(tmp_path / "absent") == {}, "no directory: expected no checkpoints"
 
 
 @pytest.mark.parametrize("size", [0, 1, 8 << 20, (8 << 20) + 3])

@@ -14,12 +14,14 @@ from typing import Any, cast
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torch import nn
 
+from api_schemas import EngineOptions, JobSpec
+from api_schemas.recipes import CnnBnParams
 from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
-from workers.engine.config import EngineConfig, JobConfig
 from workers.engine.data import GlobalBatchSampler
 from workers.engine.recipes import cnn_bn
 from workers.engine.trainer import Trainer
@@ -82,9 +84,9 @@ def test_sync_batchnorm_at_world_2_matches_world_1(launch: Callable[..., dict[st
     assert params <= TOLERANCE, f"expected max |param diff| <= {TOLERANCE}, got {params:.3g}"
     assert buffers <= TOLERANCE, f"expected max |running stat diff| <= {TOLERANCE}, got {buffers:.3g}"
     assert torch.equal(two["1.num_batches_tracked"], torch.tensor(STEPS)), "expected one BN update per step"
-    init = cnn_bn.build_model(cnn_bn.CnnBnConfig()).state_dict()
+    init = cnn_bn.build_model(CnnBnParams()).state_dict()
     assert set(two) == set(init), f"expected plain-model keys {sorted(init)}, got {sorted(two)}"
-    cnn_bn.build_model(cnn_bn.CnnBnConfig()).load_state_dict(two)  # loads into the plain model
+    cnn_bn.build_model(CnnBnParams()).load_state_dict(two)  # loads into the plain model
 
 
 def test_buffer_modes_differ_without_sync(launch: Callable[..., dict[str, torch.Tensor]]) -> None:
@@ -100,20 +102,21 @@ def test_buffer_modes_differ_without_sync(launch: Callable[..., dict[str, torch.
     ("option", "value"),
     [("buffers", "sum"), ("buffers", None), ("sync_batchnorm", "yes"), ("sync_batchnorm", 1)],
 )
-def test_engine_config_refuses_bad_bn_options(option: str, value: Any) -> None:
-    with pytest.raises(ValueError, match=f"engine.{option}"):
-        EngineConfig(**{option: value})
+def test_engine_options_refuse_bad_bn_options(option: str, value: Any) -> None:
+    with pytest.raises(ValidationError) as raised:
+        EngineOptions.model_validate({option: value})
+    assert [e["loc"] for e in raised.value.errors()] == [(option,)], raised.value
 
 
 def test_recipe_refuses_unknown_and_bad_extras() -> None:
-    with pytest.raises(ValueError, match="not a hyperparameter of recipe 'cnn_bn': hidden_size"):
+    with pytest.raises(ValidationError, match="hidden_size\n  Extra inputs are not permitted"):
         cnn_bn.build({"hidden_size": 4}, 0)
-    with pytest.raises(ValueError, match="image_size must be an integer >= 4"):
-        cnn_bn.CnnBnConfig(image_size=2)
+    with pytest.raises(ValidationError, match="image_size\n  Input should be greater than or equal to 4"):
+        CnnBnParams(image_size=2)
 
 
 def test_dataset_is_a_function_of_the_seed() -> None:
-    cfg = cnn_bn.CnnBnConfig(dataset_size=32)
+    cfg = CnnBnParams(dataset_size=32)
     a, b, c = cnn_bn.build_dataset(cfg, 1), cnn_bn.build_dataset(cfg, 1), cnn_bn.build_dataset(cfg, 2)
     assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets), (
         "expected same data for seed 1"
@@ -126,22 +129,23 @@ def test_dataset_is_a_function_of_the_seed() -> None:
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    data = cnn_bn.build_dataset(cnn_bn.CnnBnConfig(dataset_size=64), SEED)
+    data = cnn_bn.build_dataset(CnnBnParams(dataset_size=64), SEED)
     return data.inputs[:BATCH], data.targets[:BATCH]
 
 
 def _model() -> nn.Module:
     torch.manual_seed(SEED)
-    return cnn_bn.build_model(cnn_bn.CnnBnConfig())
+    return cnn_bn.build_model(CnnBnParams())
 
 
 def _trainer(env: D.DistEnv, **engine: Any) -> Trainer:
     spec = _spec(**engine)
     spec["hyperparameters"].update(global_batch_size=BATCH, dataset_size=64)
-    cfg = JobConfig.from_spec(spec)
     torch.manual_seed(SEED)
     plan = cnn_bn.build({"dataset_size": 64}, SEED)
-    return Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
+    return Trainer(
+        JobSpec.model_validate(spec), plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None)
+    )
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name
+
 TOL = 1e-6
 
 
@@ -27,8 +29,9 @@ def _momentum(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def _copy_checkpoint(src: Path, step: int, dst: Path) -> Path:
     dst.mkdir()
-    for suffix in ("", ".sha256"):
-        shutil.copy(src / f"ckpt-{step:09d}.pt{suffix}", dst / f"ckpt-{step:09d}.pt{suffix}")
+    ckpt = src / checkpoint_name(step)
+    for path in (ckpt, CheckpointManager.sidecar_for(ckpt)):
+        shutil.copy(path, dst / path.name)
     return dst
 
 

@@ -1,20 +1,34 @@
-"""Event stream sanity, config validation, sampler determinism, and the torch-free launcher helper."""
+"""Event stream sanity, the event contract, config validation, sampler determinism, the launcher helper."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
+from pydantic import ValidationError
 
-from workers.engine.config import JobConfig
+from api_schemas.recipes import MlpParams
+from workers.engine.config import configure
 from workers.engine.data import GlobalBatchSampler
+from workers.engine.events import (
+    CheckpointEvent,
+    ErrorEvent,
+    Event,
+    EventWriter,
+    FinishedEvent,
+    MetricsEvent,
+    StartedEvent,
+    events_path,
+    parse_event,
+)
 from workers.engine.faults import parse_fault
-from workers.engine.recipes import RECIPES
+from workers.engine.recipes import RECIPES, plan_params
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,16 +63,18 @@ def test_event_stream(equivalence_runs: dict[int, Any], equivalence_spec: dict[s
         assert f"rank {rank} done" in run.log(rank), f"expected rank {rank}'s log to be captured"
 
 
-def test_config_validation(make_spec: Any) -> None:
-    cfg = JobConfig.from_spec(make_spec(hyperparameters={"global_batch_size": 30, "hidden_size": 8}))
-    assert cfg.recipe_params == {"hidden_size": 8} and cfg.local_batch_size(2) == 15
+def test_the_engine_reads_spec_json_into_the_api_model(make_spec: Any) -> None:
+    text = json.dumps(make_spec(hyperparameters={"global_batch_size": 30, "hidden_size": 8}))
+    spec = configure(text, 2)
+    assert plan_params(spec) == {**MlpParams().model_dump(), "hidden_size": 8}
+    assert spec.local_batch_size(2) == 15
     with pytest.raises(ValueError, match="not divisible by the world size 4"):
-        cfg.local_batch_size(4)
-    with pytest.raises(ValueError, match="lr"):
-        JobConfig.from_spec(make_spec(hyperparameters={"lr": 0}))
-    with pytest.raises(ValueError, match="unknown engine option"):
-        JobConfig.from_spec(make_spec(engine={"bucket_cap": 1}))
-    with pytest.raises(ValueError, match="not a hyperparameter of recipe 'mlp'"):
+        configure(text, 4)
+    with pytest.raises(ValidationError, match="lr"):
+        configure(json.dumps(make_spec(hyperparameters={"lr": 0})), 1)
+    with pytest.raises(ValidationError, match="bucket_cap\n  Extra inputs are not permitted"):
+        configure(json.dumps(make_spec(engine={"bucket_cap": 1})), 1)
+    with pytest.raises(ValidationError, match="depth\n  Extra inputs are not permitted"):
         RECIPES["mlp"]({"depth": 3}, 0)
 
 
@@ -89,3 +105,67 @@ def test_launch_helper_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"expected a torch-free import, got {out.stderr}"
     assert "'--nproc-per-node=2', '--start-method=fork', '--run-path'" in out.stdout, out.stdout
+
+
+# ---- the event contract: what ranks write is what the runner reads --------------------------------
+
+
+def _one_of_each(writer: EventWriter) -> list[Event]:
+    """One event of every kind, as the engine emits them (the error from a real exception)."""
+    events: list[Event] = [
+        StartedEvent(world_size=2, start_iter=4, total_steps=10, device="cpu", backend="gloo"),
+        MetricsEvent(step=5, values={"loss": 0.5, "lr": 0.1, "grad_norm": math.inf, "odd": math.nan}),
+        CheckpointEvent(
+            step=6, path="/c/x.pt", size_bytes=9, sha256="a" * 64, deleted=["/c/y.pt"], deleted_steps=[2]
+        ),
+        FinishedEvent(step=10),
+    ]
+    writer.emit(events[0])
+    writer.emit_many(events[1:])
+    try:
+        raise KeyError("boom")
+    except KeyError as exc:
+        events.append(writer.error(exc))
+    return events
+
+
+def test_every_event_kind_round_trips_through_its_line(tmp_path: Path) -> None:
+    writer = EventWriter(events_path(tmp_path, 1), 1)
+    written = _one_of_each(writer)
+    writer.close()
+    kinds = {get_args(cls.model_fields["type"].annotation)[0] for cls in get_args(get_args(Event)[0])}
+    assert {e.type for e in written} == kinds, "the sample must hold every kind of event"
+    lines = events_path(tmp_path, 1).read_text().splitlines()
+    read = [parse_event(line) for line in lines]
+    # NaN != NaN: compare the lines' JSON text for the metrics, the models for the rest.
+    assert [e.model_dump_json() for e in read] == [e.model_dump_json() for e in written], lines
+    assert [type(e) for e in read] == [type(e) for e in written]
+    error = read[-1]
+    assert isinstance(error, ErrorEvent) and (error.rank, error.error_type) == (1, "KeyError"), error
+    assert error.traceback is not None and 'raise KeyError("boom")' in error.traceback, error.traceback
+
+
+def test_lines_keep_the_keys_of_the_json_format() -> None:
+    # What older runners and tools (jq, the tests' own readers) expect on disk: type first, same keys.
+    line = MetricsEvent(time=1.5, step=3, values={"loss": 1.0}).model_dump_json()
+    assert json.loads(line) == {"type": "metrics", "time": 1.5, "step": 3, "values": {"loss": 1.0}}, line
+    assert list(json.loads(line))[0] == "type", line
+    older = '{"type": "finished", "time": 2.0, "step": 7, "extra": "ignored"}'
+    assert parse_event(older) == FinishedEvent(time=2.0, step=7), "a line with an unknown key still reads"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"type": "metrics", "time": 1.0, "step": 3, "values": {"loss"',  # cut short by a crash
+        "not json",
+        '{"type": "teleported", "time": 1.0}',
+        '{"type": "metrics", "time": 1.0, "values": {}}',
+        '{"type": "checkpoint", "time": 1.0, "step": "six", "path": "p", "size_bytes": 1, "sha256": "s"}',
+        '["metrics"]',
+    ],
+    ids=["truncated", "not-json", "unknown-type", "missing-step", "bad-step", "not-an-object"],
+)
+def test_a_bad_line_is_refused(line: str) -> None:
+    with pytest.raises(ValidationError):
+        parse_event(line)

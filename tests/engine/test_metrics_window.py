@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from api_schemas import JobSpec
 from tests.engine.spawn import spawn_gloo
 from workers.engine import distributed as D
 from workers.engine import metrics_window as mw
 from workers.engine.checkpoint import CheckpointManager
-from workers.engine.config import JobConfig
-from workers.engine.events import EventWriter
+from workers.engine.events import EventWriter, MetricsEvent, StartedEvent, parse_event
 from workers.engine.faults import Fault
 from workers.engine.metrics_window import MAX_WINDOW, TARGET_SECONDS, MetricsWindow, next_window
-from workers.engine.recipes import RECIPES
+from workers.engine.recipes import RECIPES, plan_params
 from workers.engine.trainer import Trainer
 from workers.tail import Tail
 
@@ -171,22 +171,24 @@ class CountingFile(io.StringIO):
 def test_emit_many_is_one_write_of_whole_lines(tmp_path: Path) -> None:
     path = tmp_path / "events" / "rank0.jsonl"
     writer = EventWriter(path, 0)
-    writer.emit("started", world_size=1)
+    writer.emit(StartedEvent(world_size=1, total_steps=2, device="cpu", backend="none"))
     real = writer._f
     counting = CountingFile()
     writer._f = counting
-    out = writer.emit_many("metrics", [{"time": 5.0, "step": 1, "values": {"loss": 1.0}}, {"step": 2}])
+    batch = [MetricsEvent(time=5.0, step=1, values={"loss": 1.0}), MetricsEvent(step=2, values={})]
+    writer.emit_many(batch)
     assert counting.writes == 1 and counting.flushes == 1, (counting.writes, counting.flushes)
-    assert writer.emit_many("metrics", []) == [] and counting.writes == 1, "nothing to write: no write"
+    writer.emit_many([])
+    assert counting.writes == 1, "nothing to write: no write"
     lines = counting.getvalue().splitlines()
-    assert [json.loads(x) for x in lines] == out and len(lines) == 2
-    assert list(out[0]) == ["type", "time", "step", "values"] and out[0]["time"] == 5.0
-    assert isinstance(out[1]["time"], float), "an item without a time gets the write's time"
+    assert [parse_event(x) for x in lines] == batch and len(lines) == 2
+    assert list(json.loads(lines[0])) == ["type", "time", "step", "values"] and batch[0].time == 5.0
+    assert isinstance(batch[1].time, float), "an event without a time gets the time it was made"
     # The same batch through the real file, read the way the launcher tails it.
     writer._f = real
     tail = Tail(path)
     assert len(tail.read_lines()) == 1
-    writer.emit_many("metrics", [{"step": s} for s in (1, 2, 3)])
+    writer.emit_many([MetricsEvent(step=s, values={}) for s in (1, 2, 3)])
     writer.close()
     assert [json.loads(x)["step"] for x in tail.read_lines()] == [1, 2, 3]
 
@@ -198,15 +200,16 @@ STEPS, SAVE_EVERY = 30, 12
 
 def _trainer_worker(rank: int, world: int, out_dir: str) -> None:
     spec = {
+        "name": "metrics-window",
         "recipe": "mlp",
         "hyperparameters": {"global_batch_size": 16, "lr": 0.05, "momentum": 0.9, "steps": STEPS, "seed": 7},
         "resources": {"device": "cpu"},
         "engine": {"log_every_steps": 1, "grad_clip_norm": 10.0},
         "checkpoint": {"every_steps": SAVE_EVERY, "keep_last": 2},
     }
-    cfg = JobConfig.from_spec(spec)
+    cfg = JobSpec.model_validate(spec)
     torch.manual_seed(7)
-    plan = RECIPES["mlp"](cfg.recipe_params, 7)
+    plan = RECIPES["mlp"](plan_params(cfg), 7)
     local: list[torch.Tensor] = []
     loss_fn = plan.loss_fn
 

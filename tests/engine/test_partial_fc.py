@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torch import nn
 
+from api_schemas.recipes import PartialFcParams
 from tests.engine.spawn import spawn_gloo
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.recipes import partial_fc
 from workers.engine.sharding import shard_range
 
@@ -83,7 +86,7 @@ def test_same_result_at_any_world_size(launch: Callable[..., Any], make_spec: An
             f"world {w}: expected max |momentum diff| <= {TOLERANCE}, got {momentum:.3g}"
         )
     torch.manual_seed(0)
-    model = partial_fc.PartialFcModel(partial_fc.PartialFcConfig(num_classes=ENGINE_CLASSES), 0, 0, 1)
+    model = partial_fc.PartialFcModel(PartialFcParams(num_classes=ENGINE_CLASSES), 0, 0, 1)
     model.load_state_dict(finals[4]["model"])  # a world-4 checkpoint is a plain, whole model
 
 
@@ -97,8 +100,9 @@ def test_elastic_resume_reshards_the_checkpoint(
     for world in (2, 1):  # 4 -> 2 (3+3+2+2 rows become 5+5) and 4 -> 1
         ckpt_dir = tmp_path / f"4to{world}"
         ckpt_dir.mkdir()
-        for suffix in ("", ".sha256"):
-            shutil.copy(src / f"ckpt-{4:09d}.pt{suffix}", ckpt_dir / f"ckpt-{4:09d}.pt{suffix}")
+        ckpt = src / checkpoint_name(4)
+        for path in (ckpt, CheckpointManager.sidecar_for(ckpt)):
+            shutil.copy(path, ckpt_dir / path.name)
         run = launch(spec, world, checkpoint_dir=ckpt_dir)
         assert [e["start_iter"] for e in run.events(0) if e["type"] == "started"] == [4], run.describe()
         resumed[world] = run.checkpoint(STEPS)
@@ -130,13 +134,13 @@ def test_clipping_sums_the_shards_norms_across_ranks(launch: Callable[..., Any],
 
 
 def test_config_refuses_bad_extras() -> None:
-    with pytest.raises(ValueError, match="not a hyperparameter of recipe 'partial_fc': hidden_layers"):
+    with pytest.raises(ValidationError, match="hidden_layers\n  Extra inputs are not permitted"):
         partial_fc.build({"hidden_layers": 2}, 0)
-    for rate in (0, 1.5, True, "half"):
-        with pytest.raises(ValueError, match="sample_rate must be a number in"):
-            partial_fc.PartialFcConfig(sample_rate=rate)
-    with pytest.raises(ValueError, match="num_classes must be an integer >= 2"):
-        partial_fc.PartialFcConfig(num_classes=1)
+    for rate in (0, 1.5, True, "half", float("nan")):
+        with pytest.raises(ValidationError, match="sample_rate"):
+            PartialFcParams(sample_rate=rate)
+    with pytest.raises(ValidationError, match="num_classes\n  Input should be greater than or equal to 2"):
+        PartialFcParams(num_classes=1)
 
 
 @pytest.mark.parametrize(("total", "world"), [(10, 4), (3, 4), (8, 2), (7, 1)])
@@ -159,7 +163,7 @@ def _problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _classifier(rank: int, world: int, sample_rate: float) -> partial_fc.ShardedClassifier:
-    cfg = partial_fc.PartialFcConfig(num_classes=NUM_CLASSES, embedding_size=DIM, sample_rate=sample_rate)
+    cfg = PartialFcParams(num_classes=NUM_CLASSES, embedding_size=DIM, sample_rate=sample_rate)
     clf = partial_fc.ShardedClassifier(cfg, 3, rank, world).double()
     start, stop = shard_range(NUM_CLASSES, world, rank)
     with torch.no_grad():

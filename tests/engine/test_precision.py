@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from api_schemas.jobs import EngineOptions
-from workers.engine.config import EngineConfig, JobConfig
+from api_schemas import EngineOptions, JobSpec
 
 FP32_TOLERANCE = 1e-6  # same bound as test_equivalence: only reduction order differs
 # bf16 keeps ~3 significant digits; world 2 rounds two half-batch weight gradients to bf16 where world 1
@@ -104,12 +103,14 @@ def test_bf16_matches_across_world_sizes_and_differs_from_fp32(launch: Callable[
 
 
 def test_accumulation_must_divide_the_local_batch(make_spec: Callable[..., dict[str, Any]]) -> None:
-    cfg = JobConfig.from_spec(make_spec(engine={"grad_accumulation_steps": 3}))  # local batch 16 at world 2
-    with pytest.raises(
-        ValueError, match="engine.grad_accumulation_steps 3 does not divide the local batch 16"
-    ):
-        cfg.local_batch_size(2)
-    assert JobConfig.from_spec(make_spec(engine={"grad_accumulation_steps": 4})).local_batch_size(2) == 16
+    spec = JobSpec.model_validate(
+        make_spec(hyperparameters={"global_batch_size": 12}, engine={"grad_accumulation_steps": 4})
+    )
+    assert spec.local_batch_size(1) == 12
+    with pytest.raises(ValueError, match="world size 2 x engine.grad_accumulation_steps 4 = 8"):
+        spec.local_batch_size(2)  # a local batch of 6 has no four equal micro-batches
+    four = JobSpec.model_validate(make_spec(engine={"grad_accumulation_steps": 4}))
+    assert four.local_batch_size(2) == 16
 
 
 @pytest.mark.parametrize(
@@ -121,13 +122,7 @@ def test_accumulation_must_divide_the_local_batch(make_spec: Callable[..., dict[
         ("grad_clip_norm", True, "engine.grad_clip_norm"),
     ],
 )
-def test_engine_config_refuses_bad_options(option: str, value: Any, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        EngineConfig(**{option: value})
-
-
-def test_wire_contract_and_engine_config_have_the_same_options() -> None:
-    wire, engine = EngineOptions(), EngineConfig()
-    assert set(EngineOptions.model_fields) == {f.name for f in fields(EngineConfig)}
-    for name in EngineOptions.model_fields:
-        assert getattr(wire, name) == getattr(engine, name), f"expected equal defaults for engine.{name}"
+def test_engine_options_refuse_bad_values(option: str, value: Any, match: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        EngineOptions.model_validate({option: value})
+    assert [e["loc"] for e in raised.value.errors()] == [(match.removeprefix("engine."),)], raised.value

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engine.checkpoint import CheckpointManager
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.main import main
 
 
@@ -41,8 +41,9 @@ def test_resume_is_bitwise_exact(
 
     fresh = tmp_path / "resumed-ckpts"
     fresh.mkdir()
-    for name in ("ckpt-000000004.pt", "ckpt-000000004.pt.sha256"):
-        shutil.copy(full.checkpoint_dir / name, fresh / name)
+    src = full.checkpoint_dir / checkpoint_name(4)
+    for path in (src, CheckpointManager.sidecar_for(src)):
+        shutil.copy(path, fresh / path.name)
     resumed = engine_runner(spec, 2, checkpoint_dir=fresh)
     assert resumed.returncode == 0, f"resumed run: expected rc 0\n{resumed.describe()}"
     started = [e for e in resumed.events(0) if e["type"] == "started"]
@@ -59,11 +60,11 @@ def test_resume_is_bitwise_exact(
         monkeypatch.delenv(var, raising=False)
     elastic = tmp_path / "elastic-ckpts"
     elastic.mkdir()
-    shutil.copy(full.checkpoint_dir / "ckpt-000000004.pt", elastic)
+    shutil.copy(src, elastic)
     spec_path = full.run_dir / "spec.json"
     argv = ["--job-id", "elastic", "--spec", str(spec_path), "--run-dir", str(tmp_path / "elastic-run")]
     main([*argv, "--checkpoint-dir", str(elastic)])
-    one = torch.load(elastic / "ckpt-000000008.pt", weights_only=True, map_location="cpu")
+    one = torch.load(elastic / checkpoint_name(8), weights_only=True, map_location="cpu")
     assert one["world_size"] == 1 and one["iter"] == 8, f"expected world 1 iter 8, got {one['world_size']}"
     for name, t in want["model"].items():
         diff = (one["model"][name] - t).abs().max().item()
@@ -92,16 +93,10 @@ def test_checkpoint_manager_atomic_retention_and_fallback(tmp_path: Path, monkey
         deleted += saved.deleted
     assert mgr.save(7, _state(7), last=True) is not None, "expected the last step to be saved off-cadence"
     assert mgr.steps() == [6, 7], f"expected keep_last=2 to leave [6, 7], got {mgr.steps()}"
-    assert [p.name for p in deleted] == ["ckpt-000000002.pt"], f"unexpected deletions {deleted}"
+    assert deleted == [mgr.path_for(2)], f"unexpected deletions {deleted}"
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [
-        "ckpt-000000006.pt",
-        "ckpt-000000006.pt.sha256",
-        "ckpt-000000006.pt.xxh128",
-        "ckpt-000000007.pt",
-        "ckpt-000000007.pt.sha256",
-        "ckpt-000000007.pt.xxh128",
-    ]
+    kept = [mgr.path_for(6), mgr.path_for(7)]
+    assert names == sorted(p.name for c in kept for p in (c, *CheckpointManager.sidecars(c))), names
 
     # A writer dying mid-save leaves no checkpoint and no temp file behind, and the old ones intact.
     def boom(*_: Any, **__: Any) -> None:

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric
 from tests.api_fixtures import RecordingScheduler
+from workers.engine.checkpoint import checkpoint_name
 
 SPEC: dict[str, Any] = {
     "name": "mlp-smoke",
@@ -122,7 +123,7 @@ class TestRunOutputs:
         )
         ckpt_dir = settings.artifacts / "jobs" / jid / "checkpoints"
         ckpt_dir.mkdir(parents=True)
-        path = ckpt_dir / "ckpt-000000003.pt"
+        path = ckpt_dir / checkpoint_name(3)
         torch.save({"model": {"w": torch.ones(2)}, "iter": 3}, path)
         outside = tmp_path / "outside.pt"
         outside.write_bytes(b"secret")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engine.checkpoint import CheckpointManager, sha256_file
+from workers.engine.checkpoint import CheckpointManager, checkpoint_name, sha256_file
 
 
 class Payload:
@@ -51,7 +51,7 @@ def test_a_crafted_latest_checkpoint_is_refused_and_the_loader_falls_back(
     loaded = manager.load(latest=True)
     assert not marker.exists(), "loading a checkpoint must never run code from it"
     assert loaded is not None and loaded.step == 4, f"expected a fallback to step 4, got {loaded}"
-    assert "ckpt-000000008.pt unusable" in capsys.readouterr().err, "the refusal is reported"
+    assert f"{checkpoint_name(8)} unusable" in capsys.readouterr().err, "the refusal is reported"
 
 
 def test_a_crafted_only_checkpoint_fails_clearly(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from service.models import Checkpoint, LogLine, Metric
 from service.scheduling.service import schedule_once
 from tests.api_fixtures import RecordingDispatcher, add_user, as_user
 from tests.jobs.test_router import SPEC
+from workers.engine.checkpoint import checkpoint_name
 from workers.heartbeat import Heartbeat
 
 
@@ -36,7 +37,7 @@ def two_users(client: TestClient, db: Session, settings: Settings) -> dict[str, 
         r = client.post("/v1/jobs", json=SPEC, headers=as_user(token))
         assert r.status_code == 201, r.text
         jid = r.json()["id"]
-        path = settings.artifacts / "jobs" / jid / "checkpoints" / "ckpt-000000001.pt"
+        path = settings.artifacts / "jobs" / jid / "checkpoints" / checkpoint_name(1)
         path.parent.mkdir(parents=True)
         path.write_bytes(b"weights")
         db.add_all(

@@ -9,6 +9,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from api_schemas import JobError
 from service.config import Settings
 from service.models import Checkpoint, Job, JobNode, JobTransition, LogLine, Metric, Worker
 from service.models.base import utcnow
@@ -108,8 +109,9 @@ class TestLostWorkers:
             f"expected progress at the newest checkpoint, got {progress}"
         )
         failed_job = db.get(Job, failed)
-        assert failed_job is not None and failed_job.error is not None
-        assert failed_job.error["type"] == "WorkerLost" and "no heartbeat" in failed_job.error["message"]
+        assert failed_job is not None
+        error = JobError.model_validate(failed_job.error)
+        assert error.type == "WorkerLost" and "no heartbeat" in error.message and error.rank is None, error
         reasons = [t.reason for t in db.query(JobTransition).filter_by(job_id=requeued, to_status="queued")]
         assert any("worker dead:1 lost" in (r or "") for r in reasons), reasons
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobSpec, JobStatus
+from api_schemas import JobError, JobSpec, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
@@ -24,6 +24,8 @@ from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import create_database, drop_database
 from tests.engine.test_resume import _assert_equal
 from tests.workers.runs import run_attempt
+from workers.engine.checkpoint import checkpoint_name
+from workers.engine.events import StartedEvent, parse_event
 from workers.procs import rank_processes
 
 STEPS = 24
@@ -81,7 +83,7 @@ def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
 
 
 def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:
-    path = settings.artifacts / "jobs" / job_id / "checkpoints" / f"ckpt-{STEPS:09d}.pt"
+    path = settings.artifacts / "jobs" / job_id / "checkpoints" / checkpoint_name(STEPS)
     return dict(torch.load(path, weights_only=True))
 
 
@@ -125,10 +127,11 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     assert states == ["queued", "running", "queued", "running", "succeeded"], states
     restart_reason = _timeline(sessions, job_id)[2][1] or ""
     assert "restarting after attempt 1 of 2" in restart_reason, restart_reason
-    started = (
+    lines = (
         settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
     ).read_text()
-    assert '"start_iter": 0' not in started, f"attempt 2 must resume from a checkpoint:\n{started}"
+    starts = [e.start_iter for e in map(parse_event, lines.splitlines()) if isinstance(e, StartedEvent)]
+    assert starts and 0 not in starts, f"attempt 2 must resume from a checkpoint:\n{lines}"
 
     want, got = _final_state(settings, reference), _final_state(settings, job_id)
     for key in ("model", "optimizer", "iter", "world_size"):
@@ -146,7 +149,7 @@ def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     )
     job = _job(sessions, job_id)
     assert job.status == "failed" and job.attempt == 2
-    assert job.error is not None and "injected fault at step 2" in job.error["message"], job.error
+    assert "injected fault at step 2" in JobError.model_validate(job.error).message, job.error
     assert [s for s, _ in _timeline(sessions, job_id)] == ["queued", "running", "queued", "running", "failed"]
 
 
@@ -160,7 +163,7 @@ def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessio
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = _job(sessions, job_id)
     assert job.attempt == 1, "a resume would replay the same NaN bitwise: no restart"
-    assert job.error is not None and job.error["type"] == "FloatingPointError", job.error
+    assert JobError.model_validate(job.error).type == "FloatingPointError", job.error
 
 
 def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
@@ -173,7 +176,7 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
                 job_id=job_id,
                 attempt=1,
                 step=8,
-                path="/gone/ckpt-000000008.pt",
+                path=f"/gone/{checkpoint_name(8)}",
                 size_bytes=1,
                 sha256="0" * 64,
             )
@@ -181,7 +184,7 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
         s.query(Job).filter_by(id=job_id).update({"attempt": 1})
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = _job(sessions, job_id)
-    assert job.error is not None and job.error["type"] == "CheckpointMissing", job.error
+    assert JobError.model_validate(job.error).type == "CheckpointMissing", job.error
     assert not (
         settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
     ).exists()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobSpec, JobStatus
+from api_schemas import JobError, JobSpec, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
@@ -20,6 +20,8 @@ from service.models import Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import create_database, drop_database
 from tests.workers.runs import place_here, run_attempt
+from workers import runner
+from workers.engine.checkpoint import checkpoint_files
 from workers.procs import rank_processes
 from workers.runner import run_node
 
@@ -94,10 +96,24 @@ def test_a_rank_that_raises_fails_the_job_with_its_rank_and_traceback(
     job = _job(sessions, job_id)
     assert job.status == "failed"
     assert job.error is not None, "a failed job says why"
-    assert job.error["rank"] == 1, f"expected the failing rank 1, got {job.error}"
-    assert job.error["type"] == "RuntimeError" and "injected fault at step 2" in job.error["message"]
-    assert "injected fault" in (job.error["traceback"] or ""), job.error
+    error = JobError.model_validate(job.error)
+    assert error.rank == 1, f"expected the failing rank 1, got {job.error}"
+    assert error.type == "RuntimeError" and "injected fault at step 2" in error.message, error
+    assert "injected fault" in (error.traceback or ""), error
     assert rank_processes(job_id) == [], "no rank process may be left behind"
+
+
+def test_a_failing_launcher_fails_the_job_with_a_launcher_error(
+    settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(**_: Any) -> JobStatus:
+        raise OSError("no space left for spec.json")
+
+    monkeypatch.setattr(runner, "_supervise", broken)
+    job_id = _submit(sessions)
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
+    error = JobError.model_validate(_job(sessions, job_id).error)
+    assert error == JobError(type="LauncherError", message="OSError: no space left for spec.json"), error
 
 
 def _run_in_thread(settings: Settings, job_id: str) -> tuple[threading.Thread, list[Any]]:
@@ -149,7 +165,8 @@ def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessio
     )
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = _job(sessions, job_id)
-    assert job.error is not None and "deadline exceeded" in job.error["message"], job.error
+    error = JobError.model_validate(job.error)
+    assert error.type == "DeadlineExceeded" and "deadline exceeded" in error.message, error
     assert rank_processes(job_id) == []
 
 
@@ -157,10 +174,7 @@ def test_outputs_are_written_under_the_artifact_root(settings: Settings, session
     job_id = _submit(sessions)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     job_dir = Path(settings.artifacts) / "jobs" / job_id
-    assert sorted(p.name for p in (job_dir / "checkpoints").glob("*.pt")) == [
-        "ckpt-000000002.pt",
-        "ckpt-000000004.pt",
-    ]
+    assert list(checkpoint_files(job_dir / "checkpoints")) == [2, 4]
     assert (job_dir / "attempt-1" / "node-0" / "logs" / "rank1.log").is_file()
 
 
@@ -173,9 +187,9 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     thread.join(timeout=120)
     assert not thread.is_alive(), "a stuck rank must end the job, not hang it"
     assert out == [JobStatus.FAILED]
-    error = _job(sessions, job_id).error
-    assert error is not None and error["type"] == "CollectiveTimeout", error
-    assert "collective_timeout_seconds" in error["message"]
+    error = JobError.model_validate(_job(sessions, job_id).error)
+    assert error.type == "CollectiveTimeout" and error.rank is not None, error
+    assert "collective_timeout_seconds" in error.message, error
     assert rank_processes(job_id) == [], "the stuck rank must be killed too"
 
 
@@ -234,8 +248,8 @@ def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node
     started = time.monotonic()
     assert run_node(job_id=job_id, attempt=1, node_rank=0, settings=quick) is JobStatus.FAILED
     assert time.monotonic() - started < 90, "bounded by the rendezvous timeout, not the collective one"
-    error = _job(sessions, job_id).error
-    assert error is not None and error["type"] == "RendezvousFailed", error
+    error = JobError.model_validate(_job(sessions, job_id).error)
+    assert error.type == "RendezvousFailed" and error.rank is None, error
     with sessions() as s:
         held = s.execute(select(func.count()).select_from(JobNode).where(JobNode.job_id == job_id)).scalar()
     assert held == 0, "every node of the attempt is free again"

@@ -4,11 +4,12 @@
         --run-path /abs/workers/engine/main.py --job-id JOBID ...
 
 Takes torchrun's own command line (`torch.distributed.run`). Under plain torchrun every rank is
-a fresh interpreter that imports torch (~1 s) and, on building its first optimizer, torch._dynamo
-(~1.2 s: `Optimizer.__init__` calls functions wrapped in `torch._disable_dynamo`, whose first
-call imports it). Both costs are paid again by each rank, on every start. Here the agent pays them
-once before launching, and torchrun's `--start-method fork` with `--run-path` starts each rank
-as a fork of this process, with both modules already loaded (pages shared copy-on-write).
+a fresh interpreter that imports torch and, on building its first optimizer, torch._dynamo
+(`Optimizer.__init__` calls functions wrapped in `torch._disable_dynamo`, whose first call
+imports it): seconds of start-up, paid again by each rank on every start (bench/findings.md).
+Here the agent pays them once before launching, and torchrun's `--start-method fork` with
+`--run-path` starts each rank as a fork of this process, with both modules already loaded (pages
+shared copy-on-write).
 
 CPU jobs only (see launch.torchrun_command): a CUDA context cannot cross a fork, and the import
 of torch._dynamo may probe the driver, so CUDA ranks keep starting as fresh interpreters.
@@ -28,8 +29,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # Python's documented recipe for fork without exec: frozen objects are left out of the ranks'
     # collections, which would otherwise write to (and so copy) every inherited object's page on the
-    # first full collection and walk all of torch's modules on every one after. The rank's loop in
-    # bench.engine_world2 ran ~7% slower forked than fresh without this, at parity with it.
+    # first full collection and walk all of torch's modules on every one after.
     gc.freeze()
     torchrun(list(sys.argv[1:] if argv is None else argv))
 

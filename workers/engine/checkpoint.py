@@ -1,4 +1,10 @@
-"""Atomic, verified, retained checkpoints (`ckpt-{step:09d}.pt` + sha256sum- and xxhsum-style sidecars)."""
+"""Atomic, verified, retained checkpoints (`ckpt-{step:09d}.pt` + sha256sum- and xxhsum-style sidecars).
+
+The names of checkpoint files, of their sidecars and of temp files, and the step a name stands for,
+are defined here and nowhere else. torch is imported only where a checkpoint is written or read, so
+that the Celery worker process, which lists and matches checkpoint files between attempts
+(`workers/checkpoint_rows.py`), can use the same functions without loading torch.
+"""
 
 from __future__ import annotations
 
@@ -14,22 +20,61 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
-import torch
 import xxhash
 
 from workers.engine.hashed_file import HashedFileWriter
 
-_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+# ASCII digits only (`\d` takes any Unicode digit), matched whole (`$` also matches before a newline).
+_NAME = re.compile(r"ckpt-([0-9]{9})\.pt")
+_MAX_STEP = 10**9 - 1  # the most nine digits hold
+_TEMP_GLOB = ".ckpt-*.tmp-*"
 _CHUNK = 8 << 20  # bytes hashed per call
-# Unlinking a file frees its blocks, which takes time in proportion to its size (0.2-0.3 s a GiB
-# on the development VM's ext4): a pruned checkpoint at least this big is renamed out of sight at
-# once and unlinked by a background thread, so the save does not wait; smaller ones go inline.
+# Unlinking a file frees its blocks, which takes time in proportion to its size: a pruned
+# checkpoint at least this big is renamed out of sight at once and unlinked by a background thread,
+# so the save does not wait; smaller ones go inline.
 _UNLINK_IN_BACKGROUND_BYTES = 64 << 20
 
 
 def checkpoint_name(step: int) -> str:
     """File name of the checkpoint taken after `step` optimizer steps."""
+    if not 0 <= step <= _MAX_STEP:
+        raise ValueError(f"no checkpoint name for step {step}: steps run from 0 to {_MAX_STEP}")
     return f"ckpt-{step:09d}.pt"
+
+
+def step_of(path: str | os.PathLike[str]) -> int | None:
+    """The step of a checkpoint file's name; None for any other file (sidecars and temp files included)."""
+    m = _NAME.fullmatch(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_files(directory: str | os.PathLike[str]) -> dict[int, Path]:
+    """The checkpoint files in `directory` by step, oldest first (empty if there is no such directory)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    found = {step: p for p in directory.iterdir() if (step := step_of(p)) is not None}
+    return dict(sorted(found.items()))
+
+
+def temp_path(path: Path, *, tag: str = "") -> Path:
+    """Where `path` is written (or a pruned checkpoint waits for its unlink) before it is visible.
+
+    A dot name that is no checkpoint's, with this process's id, so concurrent writers never collide
+    and the next writer can sweep what a killed one left (`temp_files`).
+    """
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}{tag}")
+
+
+def temp_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Temp files of checkpoints and sidecars in `directory` (left behind by a writer that died)."""
+    return sorted(Path(directory).glob(_TEMP_GLOB))
+
+
+def sidecar_digest(sidecar: Path) -> str:
+    """The digest a `sha256sum`/`xxhsum`-style sidecar records ("" for an empty file)."""
+    words = sidecar.read_text().split()
+    return words[0] if words else ""
 
 
 class _Hash(Protocol):
@@ -51,7 +96,7 @@ def _hash_file(path: str | os.PathLike[str], h: _Hash) -> tuple[str, int]:
     with open(path, "rb", buffering=0) as f:
         try:
             # Hashed from a mapping rather than read(): straight from the page cache, without a copy
-            # of every byte into a buffer (cold 1 GiB on the development VM: 0.74 s against 0.96 s).
+            # of every byte into a buffer.
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):  # an empty file, or a filesystem that cannot map
             buf = memoryview(bytearray(_CHUNK))
@@ -78,6 +123,8 @@ def _without_zip_crc32() -> Iterator[None]:
     # on the main thread (a third of the hashing's cost) that nothing here uses, since the sidecars'
     # digests cover every byte and read() checks one before each load. torch.load ignores the field
     # (its docs say so); only generic zip tools such as `unzip -t` would flag the zeros.
+    import torch  # here, not at the top: see the module's docstring
+
     get = getattr(torch.serialization, "get_crc32_options", None)
     set_ = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or set_ is None:  # a torch older than the option always computes it
@@ -101,7 +148,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -121,6 +168,11 @@ class SavedCheckpoint:
     size_bytes: int
     sha256: str
     deleted: list[Path] = field(default_factory=list)
+
+    @property
+    def deleted_steps(self) -> list[int]:
+        """The steps of the checkpoints this save pruned."""
+        return [step for p in self.deleted if (step := step_of(p)) is not None]
 
 
 @dataclass(frozen=True)
@@ -149,7 +201,7 @@ class CheckpointManager:
         if is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
             # Leftovers of a writer that died mid-save; never visible as checkpoints, but they take space.
-            for tmp in self.directory.glob(".ckpt-*.tmp-*"):
+            for tmp in temp_files(self.directory):
                 tmp.unlink(missing_ok=True)
 
     def path_for(self, step: int) -> Path:
@@ -158,10 +210,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps that have a checkpoint file, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = (_NAME.match(p.name) for p in self.directory.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+        return list(checkpoint_files(self.directory))
 
     def should_save(self, step: int, last: bool = False) -> bool:
         """Every `every_steps` steps, and always at the last step."""
@@ -171,8 +220,10 @@ class CheckpointManager:
         """Write `state` for `step` if due (and on rank 0); returns what was written, else None."""
         if not self.is_main or not self.should_save(step, last):
             return None
+        import torch  # here, not at the top: see the module's docstring
+
         path = self.path_for(step)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = temp_path(path)
         try:
             with HashedFileWriter(tmp) as out:
                 # Hashed on the way out (and fsynced): the file is written once and never read back.
@@ -201,13 +252,18 @@ class CheckpointManager:
         """The XXH3-128 checksum file that loads verify (`ckpt-....pt.xxh128`, `xxhsum -c` compatible).
 
         Why two: the sha256 is what users check a downloaded checkpoint against (it is in the API
-        and the download's header), but at 1.3-1.5 GiB/s on one core it was slower than the disk, so
-        hashing was most of a load. XXH3 runs at about 10 GiB/s. It is not a cryptographic hash, and
+        and the download's header), but on one core it is slower than a fast disk, so it would be
+        most of a load; XXH3 is several times faster (bench/findings.md). It is not a cryptographic hash, and
         need not be here: the sidecars guard against torn, truncated and bit-rotted files, and
         whoever can rewrite a checkpoint can rewrite its sidecars too (`weights_only` loading is
         what makes a crafted file harmless).
         """
         return path.with_name(path.name + ".xxh128")
+
+    @staticmethod
+    def sidecars(path: Path) -> tuple[Path, Path]:
+        """Both sidecars of a checkpoint: (`.sha256`, `.xxh128`)."""
+        return CheckpointManager.sidecar_for(path), CheckpointManager.fast_sidecar_for(path)
 
     def _prune(self) -> list[Path]:
         steps = self.steps()
@@ -216,8 +272,8 @@ class CheckpointManager:
             path = self.path_for(step)
             self._remove(path)
             # After the file: never a checkpoint without its sidecars.
-            self.sidecar_for(path).unlink(missing_ok=True)
-            self.fast_sidecar_for(path).unlink(missing_ok=True)
+            for sidecar in self.sidecars(path):
+                sidecar.unlink(missing_ok=True)
             deleted.append(path)
         if deleted:
             _fsync_dir(self.directory)
@@ -233,7 +289,7 @@ class CheckpointManager:
             return
         # A temp name: no longer a checkpoint, and swept by the next writer if this process dies
         # before the unlink. Worker threads are joined at interpreter exit, so it does not leak.
-        doomed = path.with_name(f".{path.name}.tmp-{os.getpid()}-pruned")
+        doomed = temp_path(path, tag="-pruned")
         try:
             os.replace(path, doomed)
         except FileNotFoundError:
@@ -251,6 +307,8 @@ class CheckpointManager:
 
     def read(self, step: int) -> LoadedCheckpoint:
         """Load and verify one checkpoint; raises if missing, corrupt or not a training state."""
+        import torch  # here, not at the top: see the module's docstring
+
         path = self.path_for(step)
         # The XXH3 sidecar where there is one; checkpoints written before it have only the sha256.
         for sidecar, name, digest_of in (
@@ -258,8 +316,7 @@ class CheckpointManager:
             (self.sidecar_for(path), "sha256", sha256_file),
         ):
             if sidecar.exists():
-                words = sidecar.read_text().split()
-                expected = words[0] if words else ""
+                expected = sidecar_digest(sidecar)
                 actual, _ = digest_of(path)
                 if actual != expected:
                     raise ValueError(f"{path.name}: {name} {actual} != sidecar's {expected or '(empty)'}")

@@ -1,17 +1,93 @@
-"""Per-rank JSON-lines event log that the launcher tails to learn progress."""
+"""The events a rank writes and the runner reads: one typed model per kind, one JSON line per event.
+
+Both sides import these models: the ranks (`EventWriter`) to write them, the runner's reporter
+(`workers/reporting.py`) to read them back with `parse_event`. This module stays torch-free: the
+Celery worker process imports it and never loads torch.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Annotated, Literal, TextIO
 
-# How much of a failing rank's traceback goes into its error event.
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+# How much of a failing rank's traceback goes into its error event (and of torchrun's log into the
+# error of an attempt whose ranks reported none).
 TRACEBACK_TAIL_LINES = 40
+
+
+class _Event(BaseModel):
+    # `type` is declared here so that it comes first in every line (the subclasses narrow it);
+    # NaN and infinity are written as JSON's usual extensions, so a non-finite metric reaches the
+    # runner, which reports it in the job's log instead of storing it.
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
+
+    type: str
+    time: float = Field(default_factory=time.time, description="Unix time the event happened.")
+
+
+class StartedEvent(_Event):
+    """Rank 0 resumed (or started fresh) and is about to train: the rendezvous completed."""
+
+    type: Literal["started"] = "started"
+    world_size: int
+    start_iter: int = 0
+    total_steps: int
+    device: str
+    backend: str
+
+
+class MetricsEvent(_Event):
+    """One logged step's values (loss, lr, samples_per_s, step_time_s, grad_norm), from rank 0."""
+
+    type: Literal["metrics"] = "metrics"
+    step: int
+    values: dict[str, float]
+
+
+class CheckpointEvent(_Event):
+    """Rank 0 saved the checkpoint of `step` and pruned the older ones in `deleted`."""
+
+    type: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+    size_bytes: int
+    sha256: str
+    deleted: list[str] = Field(default_factory=list)
+    deleted_steps: list[int] = Field(default_factory=list)
+
+
+class FinishedEvent(_Event):
+    """Every rank finished its last step; written by rank 0."""
+
+    type: Literal["finished"] = "finished"
+    step: int
+
+
+class ErrorEvent(_Event):
+    """A rank failed: what it raised, and the tail of its traceback."""
+
+    type: Literal["error"] = "error"
+    rank: int
+    error_type: str
+    message: str
+    traceback: str | None = None
+
+
+Event = Annotated[
+    StartedEvent | MetricsEvent | CheckpointEvent | FinishedEvent | ErrorEvent, Field(discriminator="type")
+]
+_EVENT: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def parse_event(line: str | bytes) -> Event:
+    """The event on one line; raises pydantic's ValidationError for bad JSON or a bad or unknown event."""
+    return _EVENT.validate_json(line)
 
 
 def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -42,38 +118,34 @@ class EventWriter:
         # Append, so a restarted attempt adds to (never truncates) what the launcher has already read.
         self._f: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
-    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
-        """Write one event `{"type": ..., "time": ..., **fields}` and return it."""
-        event: dict[str, Any] = {"type": type_, "time": time.time(), **fields}
+    def emit(self, event: Event) -> None:
+        """Write one event as a line."""
         if self._f is not None:
             # One write per line, then flush: a reader never sees half an event unless we die mid-write,
             # and no fsync because the launcher reads from the same host's page cache.
-            self._f.write(json.dumps(event) + "\n")
+            self._f.write(event.model_dump_json() + "\n")
             self._f.flush()
-        return event
 
-    def emit_many(self, type_: str, items: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Write one `type_` event per item (an item may set its own `time`), in one write and one flush."""
-        now = time.time()
-        events: list[dict[str, Any]] = [{"type": type_, "time": now, **fields} for fields in items]
+    def emit_many(self, events: Sequence[Event]) -> None:
+        """Write the events, one line each, in one write and one flush."""
         if self._f is not None and events:
             # Still one line per event, all in a single write: readers (workers/tail.py) take whole
             # lines only, so a batch is never seen cut except by a crash mid-write, as for one event.
-            self._f.write("".join(json.dumps(e) + "\n" for e in events))
+            self._f.write("".join(e.model_dump_json() + "\n" for e in events))
             self._f.flush()
-        return events
 
-    def error(self, exc: BaseException) -> dict[str, Any]:
+    def error(self, exc: BaseException) -> ErrorEvent:
         """Record `exc` (type, message, traceback tail) as this rank's error event."""
         lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
         error_type, message = describe(exc)
-        return self.emit(
-            "error",
+        event = ErrorEvent(
             rank=self.rank,
             error_type=error_type,
             message=message,
             traceback="\n".join(lines[-TRACEBACK_TAIL_LINES:]),
         )
+        self.emit(event)
+        return event
 
     def close(self) -> None:
         """Close the file; later emits are dropped."""

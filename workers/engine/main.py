@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -71,9 +70,9 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
 
     from workers.engine import distributed as D
     from workers.engine.checkpoint import CheckpointManager
-    from workers.engine.config import JobConfig
+    from workers.engine.config import configure
     from workers.engine.faults import fault_from_env
-    from workers.engine.recipes import get_builder
+    from workers.engine.recipes import builder_of, plan_params
     from workers.engine.trainer import Trainer
 
     env = D.DistEnv.from_environ()
@@ -82,31 +81,28 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         # torch, before torchrun set OMP_NUM_THREADS=1 for ranks sharing a host; a fresh interpreter
         # would have read the variable itself, so apply it the same way here.
         torch.set_num_threads(int(threads))
-    with open(args.spec, encoding="utf-8") as f:
-        cfg = JobConfig.from_spec(json.load(f))
-    cfg.local_batch_size(env.world_size)  # fail before rendezvous-heavy work on an uneven split
-    builder = get_builder(cfg.recipe, cfg.entrypoint)
+    # Before the rendezvous-heavy work: a spec that cannot run at this world size fails at once.
+    spec = configure(args.spec.read_bytes(), env.world_size)
+    builder = builder_of(spec)
     fault = fault_from_env()
-    if cfg.resources.world_size != env.world_size:
+    if spec.world_size != env.world_size:
         # Not fatal: the math is world-size independent, and elastic resume will rely on exactly that.
-        print(f"warning: spec asks for {cfg.resources.world_size} ranks, running {env.world_size}")
-    device = D.setup_device(env, cfg.resources.device)
-    backend = D.init(env, cfg.resources.device, cfg.engine.collective_timeout_seconds)
+        print(f"warning: spec asks for {spec.world_size} ranks, running {env.world_size}")
+    device = D.setup_device(env, spec.resources.device)
+    backend = D.init(env, spec.resources.device, spec.engine.collective_timeout_seconds)
     try:
         print(
             f"job {args.job_id}: rank {env.rank}/{env.world_size} on {device} backend={backend} "
             f"threads={torch.get_num_threads()} pid={os.getpid()}"
         )
+        seed = spec.hyperparameters.seed
         # Same seed on every rank; DDP then broadcasts rank 0's weights anyway, so this is belt and braces.
-        torch.manual_seed(cfg.training.seed)
-        # A built-in recipe gets its extras; user code gets every hyperparameter (it may want lr for
-        # its own optimizer).
-        params = cfg.recipe_params if cfg.recipe else cfg.to_dict()["hyperparameters"]
-        plan = builder(params, cfg.training.seed)
+        torch.manual_seed(seed)
+        plan = builder(plan_params(spec), seed)
         checkpoints = CheckpointManager(
-            args.checkpoint_dir, cfg.checkpoint.keep_last, env.is_main, cfg.checkpoint.every_steps
+            args.checkpoint_dir, spec.checkpoint.keep_last, env.is_main, spec.checkpoint.every_steps
         )
-        Trainer(cfg, plan, env, device, events, checkpoints, fault=fault, backend=backend).train()
+        Trainer(spec, plan, env, device, events, checkpoints, fault=fault, backend=backend).train()
         print(f"job {args.job_id}: rank {env.rank} done")
     finally:
         D.destroy()
@@ -130,8 +126,8 @@ def own_session() -> None:
     A rank forked by workers.engine.agent is otherwise in the agent's session, and so, with the
     kernel's scheduler autogroups (one CPU scheduling group per session; on by default in Debian's
     kernel), in one group with its sibling ranks: their compute threads and Gloo's wake-ups then
-    preempt each other as equals, and on 2 cores a 2-rank loop ran 8-10% slower than with a
-    session per rank (bench/findings.md section 2). A cancel still reaches the rank: the agent
+    preempt each other as equals, and a multi-rank loop on a small host runs measurably slower than
+    with a session per rank (bench/findings.md, section 2). A cancel still reaches the rank: the agent
     forwards SIGTERM to each of its ranks, and the runner sweeps ranks by job id afterwards, as for
     plain torchrun's.
     """

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from workers.engine import distributed as D
-from workers.engine.events import EventWriter
+from workers.engine.events import EventWriter, MetricsEvent
 
 # A window closes once it spans about TARGET_SECONDS of training: a user (and the job-start
 # benchmark, which waits for the first step) sees metrics at most about this late, while at
@@ -138,5 +138,5 @@ class MetricsWindow:
                 # From averaged grads, so identical on every rank: no collective (in a LocalSGD local
                 # step it is rank 0's own).
                 values["grad_norm"] = next(norm_values)
-            rows.append({"time": p.time, "step": p.step, "values": values})
-        self.events.emit_many("metrics", rows)
+            rows.append(MetricsEvent(time=p.time, step=p.step, values=values))
+        self.events.emit_many(rows)

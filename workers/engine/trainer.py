@@ -11,13 +11,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from api_schemas import JobSpec
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
-from workers.engine.config import JobConfig
 from workers.engine.data import GlobalBatchSampler, MapDataset
-from workers.engine.events import EventWriter
+from workers.engine.events import CheckpointEvent, EventWriter, FinishedEvent, StartedEvent
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
@@ -39,7 +39,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: JobConfig,
+        spec: JobSpec,
         plan: Plan,
         env: D.DistEnv,
         device: torch.device,
@@ -48,9 +48,9 @@ class Trainer:
         fault: Fault | None = None,
         backend: str | None = None,
     ) -> None:
-        self.cfg, self.env, self.device = cfg, env, device
+        self.spec, self.env, self.device = spec, env, device
         self.events, self.checkpoints, self.fault, self.backend = events, checkpoints, fault, backend
-        self.local_batch_size = cfg.local_batch_size(env.world_size)  # refuses an uneven split
+        self.local_batch_size = spec.local_batch_size(env.world_size)  # refuses an uneven split
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
         self.dataset = plan.dataset if hasattr(plan.dataset, "batch") else MapDataset(plan.dataset)
         self.loss_fn = plan.loss_fn
@@ -63,7 +63,7 @@ class Trainer:
         # A rank's rows are its own: sharded parameters are never broadcast or allreduced.
         self.non_data_parallel = list(dict.fromkeys([*plan.non_data_parallel, *self.sharded]))
         self.checkpoint_modules = plan.checkpoint_modules
-        t = cfg.training
+        t = spec.hyperparameters
         # Weight decay lives in the optimizer, applied to the already rank-averaged gradient, so it is
         # the same at any world size (the Caffe2 "scale the loss, not the LR" lesson).
         self.optimizer = (
@@ -77,7 +77,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
         self.iter = 0  # optimizer steps completed (Caffe2's ITER)
         self.train_model: nn.Module = self.model  # DDP wrapper once wrap() ran at world > 1
-        e = cfg.engine
+        e = spec.engine
         self.accum = e.grad_accumulation_steps
         self.clip_norm = e.grad_clip_norm
         # Autocast only: params, grads and optimizer state stay fp32. No GradScaler: bf16 has fp32's
@@ -114,7 +114,8 @@ class Trainer:
             "iter": self.iter,
             "world_size": self.env.world_size,
             "rng": rng,
-            "config": self.cfg.to_dict(),
+            # Provenance: what was trained, as plain (weights_only-safe) JSON values.
+            "config": self.spec.model_dump(mode="json", include={"recipe", "entrypoint", "hyperparameters"}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -157,10 +158,11 @@ class Trainer:
     def wrap(self) -> None:
         """Wrap for data parallelism; DDP construction broadcasts rank 0's parameters and buffers."""
         if self.env.world_size == 1:
-            # At world 1 DDP has nothing to average or broadcast and costs ~15% on a small CPU MLP.
+            # At world 1 DDP has nothing to average or broadcast, yet its hooks and buckets cost time
+            # on every step of a small model.
             self._checkpoint_activations()
             return
-        e = self.cfg.engine
+        e = self.spec.engine
         # Sharded rows are clipped by the global norm (clipping.py); other rank-own params cannot be.
         own = [n for n in self.non_data_parallel if n not in self.sharded]
         refuse_clipping_of_local_params(self.model, own, self.clip_norm)
@@ -208,7 +210,7 @@ class Trainer:
 
     def _checkpoint_activations(self) -> None:
         """engine.activation_checkpointing: recompute the chosen parts' activations in backward."""
-        if self.cfg.engine.activation_checkpointing:
+        if self.spec.engine.activation_checkpointing:
             parts = checkpoint_activations(self.model, self.checkpoint_modules)
             print(f"activation checkpointing: {', '.join(parts) or 'nothing to checkpoint'}")
 
@@ -234,8 +236,9 @@ class Trainer:
     def _step(self, it: int) -> torch.Tensor:
         idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
         inputs, targets = self.dataset.batch(idx, self.device)
-        # Per-rank MEAN loss; DDP divides the summed gradients by world size (the seeds' loss_scale =
-        # 1/devices), so the update equals the one for the global-batch mean loss at any world size.
+        # Per-rank MEAN loss; DDP divides the summed gradients by world size (data_parallel_model's
+        # loss_scale = 1/devices), so the update equals the one for the global-batch mean loss at
+        # any world size.
         # With accumulation each equal micro-batch's mean loss is scaled by 1/accum, so the summed
         # gradient is again the local-batch mean gradient: same math, less activation memory.
         n = self.accum
@@ -289,24 +292,25 @@ class Trainer:
         self.wrap()
         # Like Caffe2's FinalizeAfterCheckpoint: params came from rank 0 via DDP; ITER comes from rank 0 too.
         self.iter = D.broadcast_int(self.env, self.iter, self.device)
-        total = self.cfg.training.steps
+        total = self.spec.hyperparameters.steps
         main = self.env.is_main
         if main:
             self.events.emit(
-                "started",
-                world_size=self.env.world_size,
-                start_iter=self.iter,
-                total_steps=total,
-                device=self.device.type,
-                backend=self.backend or "none",
+                StartedEvent(
+                    world_size=self.env.world_size,
+                    start_iter=self.iter,
+                    total_steps=total,
+                    device=self.device.type,
+                    backend=self.backend or "none",
+                )
             )
         # Logged steps are reported per window (one loss allreduce, one write): see metrics_window.py.
         metrics = MetricsWindow(
             env=self.env,
             device=self.device,
             events=self.events,
-            global_batch_size=self.cfg.training.global_batch_size,
-            log_every=self.cfg.engine.log_every_steps,
+            global_batch_size=self.spec.hyperparameters.global_batch_size,
+            log_every=self.spec.engine.log_every_steps,
             total_steps=total,
             start_step=self.iter,
         )
@@ -332,18 +336,19 @@ class Trainer:
         # No rank reports success before every rank has finished its last step.
         D.barrier(self.env)
         if main:
-            self.events.emit("finished", step=self.iter)
+            self.events.emit(FinishedEvent(step=self.iter))
 
     def _save(self, last: bool) -> None:
         saved = self.checkpoints.save(self.iter, self.state_dict(), last=last)
         if saved is None:
             return
         self.events.emit(
-            "checkpoint",
-            step=saved.step,
-            path=str(saved.path),
-            size_bytes=saved.size_bytes,
-            sha256=saved.sha256,
-            deleted=[str(p) for p in saved.deleted],
-            deleted_steps=[int(p.name[5:14]) for p in saved.deleted],
+            CheckpointEvent(
+                step=saved.step,
+                path=str(saved.path),
+                size_bytes=saved.size_bytes,
+                sha256=saved.sha256,
+                deleted=[str(p) for p in saved.deleted],
+                deleted_steps=saved.deleted_steps,
+            )
         )

@@ -1,12 +1,14 @@
-"""Recipe registry: name -> builder(params, seed) -> Plan. Names match api_schemas.recipes.RECIPES."""
+"""Recipe registry: name -> builder(params, seed) -> Plan, for each name api_schemas.recipes declares."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from api_schemas import JobSpec, entrypoint_allowed
 from workers.engine.recipes import cnn_bn, lstm_lm, mlp, partial_fc, sparse_embedding
 from workers.engine.recipes.plan import Plan
 
@@ -20,47 +22,42 @@ RECIPES: dict[str, RecipeBuilder] = {
     "sparse_embedding": sparse_embedding.build,
 }
 
-__all__ = ["RECIPES", "Plan", "RecipeBuilder", "get_builder", "get_recipe", "load_entrypoint"]
+__all__ = ["RECIPES", "Plan", "RecipeBuilder", "builder_of", "load_entrypoint", "plan_params"]
 
 ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
-
-
-def get_recipe(name: str) -> RecipeBuilder:
-    """The builder registered under `name`, or a ValueError naming the known recipes."""
-    try:
-        return RECIPES[name]
-    except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}") from None
 
 
 def load_entrypoint(entrypoint: str, allowed: str | None = None) -> RecipeBuilder:
     """Import `package.module:function`, refusing modules outside DPTRAIN_ALLOWED_ENTRYPOINTS.
 
     The API refuses such a spec already; the worker checks again with its own setting, because it
-    is the worker that runs the code.
+    is the worker that runs the code. Only a public function defined in that module is called: not
+    a class, and not a name the module merely imported (`os:system` under an allowed `os` prefix).
     """
-    prefixes = [
-        p.strip()
-        for p in (allowed if allowed is not None else os.environ.get(ALLOWED_ENTRYPOINTS_ENV, "")).split(",")
-        if p.strip()
-    ]
-    module_name, sep, func_name = entrypoint.partition(":")
-    if not sep or not module_name or not func_name:
-        raise ValueError(f"entrypoint {entrypoint!r} is not 'package.module:function'")
-    if not any(module_name == p or module_name.startswith(p + ".") for p in prefixes):
+    setting = allowed if allowed is not None else os.environ.get(ALLOWED_ENTRYPOINTS_ENV, "")
+    prefixes = [p.strip() for p in setting.split(",") if p.strip()]
+    if not entrypoint_allowed(entrypoint, prefixes):
         shown = ", ".join(prefixes) or "none"
         raise PermissionError(
             f"entrypoint {entrypoint!r} is not under an allowed prefix ({ALLOWED_ENTRYPOINTS_ENV}: {shown})"
         )
+    module_name, _, func_name = entrypoint.partition(":")
     builder = getattr(importlib.import_module(module_name), func_name, None)
-    if not callable(builder):
-        raise ValueError(f"entrypoint {entrypoint!r}: {module_name} has no function {func_name!r}")
+    if func_name.startswith("_") or not inspect.isfunction(builder) or builder.__module__ != module_name:
+        raise ValueError(f"entrypoint {entrypoint!r}: {module_name} defines no public function {func_name!r}")
     return builder  # type: ignore[no-any-return]
 
 
-def get_builder(recipe: str | None, entrypoint: str | None) -> RecipeBuilder:
-    """The builder of a built-in recipe or of a user's entrypoint."""
-    if entrypoint is not None:
-        return load_entrypoint(entrypoint)
-    assert recipe is not None
-    return get_recipe(recipe)
+def builder_of(spec: JobSpec) -> RecipeBuilder:
+    """The builder of the spec's built-in recipe or of its entrypoint."""
+    if spec.entrypoint is not None:
+        return load_entrypoint(spec.entrypoint)
+    # The spec validated: its recipe is one of api_schemas.recipes.RECIPES, each registered above.
+    return RECIPES[spec.recipe or ""]
+
+
+def plan_params(spec: JobSpec) -> dict[str, Any]:
+    """What the builder gets: a recipe its extras (defaults filled in), user code every hyperparameter."""
+    params = spec.recipe_params()
+    # User code may want lr or steps for its own optimizer or schedule, so it gets them all.
+    return params.model_dump() if params is not None else spec.hyperparameters.model_dump()

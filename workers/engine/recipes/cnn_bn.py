@@ -3,39 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from api_schemas.recipes import CnnBnParams
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from mlp's and the sampler's streams (see data.py).
 _DATA_STREAM = 11
 
 
-@dataclass(frozen=True)
-class CnnBnConfig(RecipeParams):
-    """Extras of the `cnn_bn` recipe (defaults match api_schemas.recipes.CnnBnParams)."""
-
-    RECIPE: ClassVar[str] = "cnn_bn"
-    MINIMUMS: ClassVar[Mapping[str, int]] = {
-        "image_size": 4,
-        "channels": 1,
-        "num_classes": 2,
-        "dataset_size": 1,
-    }
-
-    image_size: int = 8
-    channels: int = 3
-    num_classes: int = 10
-    dataset_size: int = 1024
-
-
-def build_model(cfg: CnnBnConfig) -> nn.Sequential:
+def build_model(cfg: CnnBnParams) -> nn.Sequential:
     """Conv-BN-ReLU twice, global average pool, Linear head; the BatchNorms are what this recipe exercises."""
     return nn.Sequential(
         # No conv bias: the following BatchNorm subtracts the mean and would cancel it.
@@ -51,7 +32,7 @@ def build_model(cfg: CnnBnConfig) -> nn.Sequential:
     )
 
 
-def build_dataset(cfg: CnnBnConfig, seed: int) -> TensorDataset:
+def build_dataset(cfg: CnnBnParams, seed: int) -> TensorDataset:
     """Gaussian images labelled by argmax of a random linear teacher; a function of the seed alone."""
     # A private generator keeps the data independent of the global RNG (and so of model-init order).
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
@@ -67,5 +48,5 @@ def build_dataset(cfg: CnnBnConfig, seed: int) -> TensorDataset:
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
-    cfg = CnnBnConfig.from_params(params)
+    cfg = CnnBnParams.model_validate(params)
     return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)

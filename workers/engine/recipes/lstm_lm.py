@@ -1,45 +1,29 @@
 """The `lstm_lm` recipe: an LSTM language model on token sequences from a fixed random Markov chain.
 
-The data-parallel LSTM of the seeds (Caffe2's data_parallel_model test): the same model trained at
+The data-parallel LSTM of Caffe2's data_parallel_model test: the same model trained at
 1, 2 or 4 ranks on the same global batches must end at the same parameters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from api_schemas.recipes import LstmLmParams
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from mlp's (7) and from the sampler's streams (data.py).
 _DATA_STREAM = 12
 
 
-@dataclass(frozen=True)
-class LstmLmConfig(RecipeParams):
-    """Extras of the `lstm_lm` recipe (defaults match api_schemas.recipes.LstmLmParams)."""
-
-    RECIPE: ClassVar[str] = "lstm_lm"
-    MINIMUMS: ClassVar[Mapping[str, int]] = {"vocab_size": 2}
-
-    vocab_size: int = 64
-    embed_size: int = 32
-    hidden_size: int = 64
-    num_layers: int = 1
-    seq_len: int = 16
-    dataset_size: int = 1024
-
-
 class LstmLm(nn.Module):
     """Embedding -> LSTM (batch_first) -> Linear head; maps tokens [B, T] to logits [B, T, vocab]."""
 
-    def __init__(self, cfg: LstmLmConfig) -> None:
+    def __init__(self, cfg: LstmLmParams) -> None:
         super().__init__()
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.embed_size)
         self.lstm = nn.LSTM(cfg.embed_size, cfg.hidden_size, cfg.num_layers, batch_first=True)
@@ -50,11 +34,11 @@ class LstmLm(nn.Module):
         return self.head(hidden)  # type: ignore[no-any-return]
 
 
-def build_model(cfg: LstmLmConfig) -> LstmLm:
+def build_model(cfg: LstmLmParams) -> LstmLm:
     return LstmLm(cfg)
 
 
-def build_dataset(cfg: LstmLmConfig, seed: int) -> TensorDataset:
+def build_dataset(cfg: LstmLmParams, seed: int) -> TensorDataset:
     """Sequences of a fixed random (peaked) Markov chain; a function of the seed alone.
 
     Each sample is `seq_len + 1` tokens; the input is the first `seq_len`, the target the last
@@ -89,7 +73,7 @@ def is_lstm(module: nn.Module) -> bool:
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
-    cfg = LstmLmConfig.from_params(params)
+    cfg = LstmLmParams.model_validate(params)
     return Plan(
         model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=lm_loss, checkpoint_modules=is_lstm
     )

@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from api_schemas.recipes import MlpParams
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the sampler's streams (see data.py).
 _DATA_STREAM = 7
 
 
-@dataclass(frozen=True)
-class MlpConfig(RecipeParams):
-    """Extras of the `mlp` recipe (defaults match api_schemas.recipes.MlpParams)."""
-
-    RECIPE: ClassVar[str] = "mlp"
-    MINIMUMS: ClassVar[Mapping[str, int]] = {"num_classes": 2}
-
-    input_size: int = 32
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_classes: int = 10
-    dataset_size: int = 4096
-
-
-def build_model(cfg: MlpConfig) -> nn.Sequential:
+def build_model(cfg: MlpParams) -> nn.Sequential:
     """`num_layers` hidden Linear+ReLU layers followed by a Linear classifier head."""
     layers: list[nn.Module] = []
     width = cfg.input_size
@@ -42,7 +27,7 @@ def build_model(cfg: MlpConfig) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def build_dataset(cfg: MlpConfig, seed: int) -> TensorDataset:
+def build_dataset(cfg: MlpParams, seed: int) -> TensorDataset:
     """Gaussian inputs labelled by argmax of a random linear teacher; a function of the seed alone."""
     # A private generator keeps the data independent of the global RNG (and so of model-init order).
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
@@ -54,5 +39,5 @@ def build_dataset(cfg: MlpConfig, seed: int) -> TensorDataset:
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
-    cfg = MlpConfig.from_params(params)
+    cfg = MlpParams.model_validate(params)
     return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)

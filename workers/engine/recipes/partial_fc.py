@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from api_schemas.recipes import PartialFcParams
 from workers.engine import collectives
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 from workers.engine.sharding import rank_and_world, shard_range
 
@@ -32,28 +31,6 @@ _WEIGHT_STREAM = 16
 _SAMPLE_STREAM = 1 << 40
 
 SHARDED_WEIGHT = "classifier.weight"
-
-
-@dataclass(frozen=True)
-class PartialFcConfig(RecipeParams):
-    """Extras of the `partial_fc` recipe (defaults match api_schemas.recipes.PartialFcParams)."""
-
-    RECIPE: ClassVar[str] = "partial_fc"
-    MINIMUMS: ClassVar[Mapping[str, int]] = {"num_classes": 2}
-
-    input_size: int = 32
-    hidden_size: int = 64
-    embedding_size: int = 16
-    num_classes: int = 64
-    sample_rate: float = 1.0
-    dataset_size: int = 2048
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        v = self.sample_rate
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise ValueError(f"hyperparameters.sample_rate must be a number in (0, 1], got {v!r}")
-        object.__setattr__(self, "sample_rate", float(v))
 
 
 class _DistSoftmaxCrossEntropy(torch.autograd.Function):
@@ -96,7 +73,7 @@ class _DistSoftmaxCrossEntropy(torch.autograd.Function):
 class ShardedClassifier(nn.Module):
     """This rank's rows of a C x D linear classifier (no bias), with the distributed softmax loss."""
 
-    def __init__(self, cfg: PartialFcConfig, seed: int, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: PartialFcParams, seed: int, rank: int, world_size: int) -> None:
         super().__init__()
         self.num_classes, self.sample_rate, self.seed = cfg.num_classes, cfg.sample_rate, seed
         self.rank, self.world_size = rank, world_size
@@ -158,7 +135,7 @@ class ShardedClassifier(nn.Module):
 class PartialFcModel(nn.Module):
     """A data-parallel MLP backbone producing embeddings, plus the sharded classifier its loss uses."""
 
-    def __init__(self, cfg: PartialFcConfig, seed: int, rank: int, world_size: int) -> None:
+    def __init__(self, cfg: PartialFcParams, seed: int, rank: int, world_size: int) -> None:
         super().__init__()
         self.backbone = nn.Sequential(
             nn.Linear(cfg.input_size, cfg.hidden_size),
@@ -173,7 +150,7 @@ class PartialFcModel(nn.Module):
         return out
 
 
-def build_dataset(cfg: PartialFcConfig, seed: int) -> TensorDataset:
+def build_dataset(cfg: PartialFcParams, seed: int) -> TensorDataset:
     """Gaussian inputs labelled by argmax of a random linear teacher over all classes; seed alone decides."""
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
     inputs = torch.randn(cfg.dataset_size, cfg.input_size, generator=g)
@@ -183,7 +160,7 @@ def build_dataset(cfg: PartialFcConfig, seed: int) -> TensorDataset:
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; called on every rank after the process group exists (the shard depends on the rank)."""
-    cfg = PartialFcConfig.from_params(params)
+    cfg = PartialFcParams.model_validate(params)
     rank, world = rank_and_world()
     model = PartialFcModel(cfg, seed, rank, world)
     return Plan(

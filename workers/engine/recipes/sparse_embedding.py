@@ -10,14 +10,13 @@ teacher. The table's gradient is sparse (only touched rows), synchronised by the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
+from api_schemas.recipes import SparseEmbeddingParams
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.params import RecipeParams
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the other recipes' and the sampler's (data.py).
@@ -27,25 +26,10 @@ _DATA_STREAM = 13
 _ZIPF_EXPONENT = 1.1
 
 
-@dataclass(frozen=True)
-class SparseEmbeddingConfig(RecipeParams):
-    """Extras of the `sparse_embedding` recipe (defaults match api_schemas.recipes.SparseEmbeddingParams)."""
-
-    RECIPE: ClassVar[str] = "sparse_embedding"
-    MINIMUMS: ClassVar[Mapping[str, int]] = {"num_embeddings": 2, "num_classes": 2}
-
-    num_embeddings: int = 1000
-    embed_size: int = 16
-    bag_size: int = 8
-    hidden_size: int = 32
-    num_classes: int = 4
-    dataset_size: int = 1024
-
-
 class SparseEmbeddingModel(nn.Module):
     """EmbeddingBag(mean, sparse=True) -> Linear -> ReLU -> Linear; maps ids [B, bag] to logits [B, C]."""
 
-    def __init__(self, cfg: SparseEmbeddingConfig) -> None:
+    def __init__(self, cfg: SparseEmbeddingParams) -> None:
         super().__init__()
         self.embedding = nn.EmbeddingBag(cfg.num_embeddings, cfg.embed_size, mode="mean", sparse=True)
         # Small rows (std 0.1, not torch's N(0, 1)) as embedding tables usually start: with |w| up to ~4
@@ -59,12 +43,12 @@ class SparseEmbeddingModel(nn.Module):
         return self.head(self.embedding(ids))  # type: ignore[no-any-return]
 
 
-def build_model(cfg: SparseEmbeddingConfig) -> SparseEmbeddingModel:
+def build_model(cfg: SparseEmbeddingParams) -> SparseEmbeddingModel:
     """The model; its table's gradient is sparse."""
     return SparseEmbeddingModel(cfg)
 
 
-def build_dataset(cfg: SparseEmbeddingConfig, seed: int) -> TensorDataset:
+def build_dataset(cfg: SparseEmbeddingParams, seed: int) -> TensorDataset:
     """Bags of Zipf-distributed ids labelled by a random teacher; a function of the seed alone."""
     # A private generator keeps the data independent of the global RNG (and so of model-init order).
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
@@ -82,6 +66,6 @@ def build_dataset(cfg: SparseEmbeddingConfig, seed: int) -> TensorDataset:
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
-    cfg = SparseEmbeddingConfig.from_params(params)
+    cfg = SparseEmbeddingParams.model_validate(params)
     # No optimizer factory: the engine's default SGD already gives the sparse table plain SGD (sparse.py).
     return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)
