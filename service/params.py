@@ -15,10 +15,10 @@ from fastapi import Path
 from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
 
+from api_schemas.base import INT64_MAX
 from service.strict_json import NUL_MESSAGE, STRING_NUL
 
-# PostgreSQL's bigint and SQLite's INTEGER: row ids, steps, cursors.
-INT64_MAX = 2**63 - 1
+# INT64_MAX: PostgreSQL's bigint and SQLite's INTEGER, for row ids, steps and cursors.
 # PostgreSQL's integer: `log_lines.rank`.
 INT32_MAX = 2**31 - 1
 

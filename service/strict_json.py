@@ -1,15 +1,16 @@
-"""Request bodies are read as strict JSON: what JSON cannot carry, or the database cannot store, is a 422.
+"""Request bodies are read as strict JSON: what would break below the models, or the database, is a 422.
 
-Python's `json` reads `NaN`, `Infinity` and numbers beyond a float's range (`1e999` becomes inf), nests
-as deep as the interpreter's stack allows (a RecursionError past that), and keeps `\\u0000` in
-strings, which PostgreSQL refuses in text and JSONB. Every route of ours is a `StrictJSONRoute`, so
-its body is read by `loads` instead, in this one place, before any model sees it.
+Python's `json` nests as deep as the interpreter's stack allows (a RecursionError past that, and a
+body just short of it parses, then fails to render its own validation error), and keeps `\\u0000`
+in strings, which PostgreSQL refuses in text and JSONB. Every route of ours is a `StrictJSONRoute`,
+so its body is read by `loads` instead, in this one place, before any model sees it. Non-finite
+numbers (`NaN`, `Infinity`, `1e999`) are left to the models (`api_schemas.base.Strict`), which
+refuse them with the field's path.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -17,31 +18,20 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-# Far more than any spec needs (a few levels, extras included), far less than the interpreter's stack.
-MAX_DEPTH = 32
+from api_schemas.base import MAX_JSON_DEPTH
+
+# Twice what a spec's free-form values may nest: anything the models can judge reaches them, and
+# gets their message; far less than the interpreter's stack.
+MAX_DEPTH = 2 * MAX_JSON_DEPTH
 NOT_JSON_TEXT = "body is not valid JSON text"
 STRING_NUL, NUL_MESSAGE = "string_nul", "Strings may not contain NUL (\\u0000)"
 _TOO_DEEP = f"JSON nested too deeply: more than {MAX_DEPTH} levels of arrays and objects"
 
 
-class _NotFinite(str):
-    """Stands in, during parsing, for a number that is not finite: the literal as the client wrote it."""
-
-
 def loads(body: bytes) -> Any:
     """The JSON value of a body; a RequestValidationError naming the field path for what it refuses."""
-    refused: list[str] = []
-
-    def constant(literal: str) -> _NotFinite:
-        refused.append(literal)
-        return _NotFinite(literal)
-
-    def real(literal: str) -> float | _NotFinite:
-        value = float(literal)
-        return value if math.isfinite(value) else constant(literal)
-
     try:
-        value = json.loads(body, parse_constant=constant, parse_float=real)
+        value = json.loads(body)
     except json.JSONDecodeError as exc:
         # The entry FastAPI itself answers for a syntax error.
         raise _invalid(("body", exc.pos), "JSON decode error", ctx={"error": exc.msg}) from exc
@@ -50,7 +40,7 @@ def loads(body: bytes) -> Any:
     except ValueError as exc:  # not UTF-8 (UnicodeDecodeError), an integer of more than 4300 digits
         raise _invalid(("body",), NOT_JSON_TEXT, ctx={"error": str(exc)}) from exc
     # Walking the value costs more than parsing it; only a body that may hold something to refuse is walked.
-    if refused or b"\\u0000" in body or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+    if b"\\u0000" in body or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
         errors = _refusals(value)
         if errors:
             raise RequestValidationError(errors)
@@ -67,7 +57,7 @@ def _invalid(
 
 
 def _refusals(value: Any, *, limit: int = 20) -> list[dict[str, Any]]:
-    """Entries for every non-finite number, NUL in a string, and container too deep, in document order."""
+    """Entries for every NUL in a string or key and every container too deep, in document order."""
     errors: list[dict[str, Any]] = []
     # Iterative: a value nested as deep as the parser allowed must not recurse here.
     stack: list[tuple[tuple[str | int, ...], Any]] = [(("body",), value)]
@@ -82,15 +72,6 @@ def _refusals(value: Any, *, limit: int = 20) -> list[dict[str, Any]]:
                 if isinstance(key, str) and "\x00" in key:
                     errors.append(_nul(loc + (key,), key))
                 stack.append((loc + (key,), child))
-        elif isinstance(item, _NotFinite):
-            errors.append(
-                {
-                    "type": "finite_number",
-                    "loc": loc,
-                    "msg": "Input should be a finite number",
-                    "input": str(item),
-                }
-            )
         elif isinstance(item, str) and "\x00" in item:
             errors.append(_nul(loc, item))
     return errors

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api_schemas import (
@@ -46,7 +47,7 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
     error = stored.shown_error(job.error)
     if error is None and problem is not None:
         error = JobError(type=INVALID_SPEC, message=problem)
-    return Job(
+    fields: dict[str, Any] = dict(
         id=job.id,
         name=job.name,
         status=JobStatus(job.status),
@@ -63,6 +64,14 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
         latest_metrics=stored.shown_metrics(job.latest_metrics),
         queued_reason=job.queued_reason if job.status == JobStatus.QUEUED.value else None,
     )
+    try:
+        return Job(**fields)
+    except ValidationError:
+        if problem is None:
+            raise
+        # shown_spec's last resort is built without validation (nothing of the stored spec passed
+        # the spec's own checks), and so is the job around it; every other field is a typed column.
+        return Job.model_construct(**fields)
 
 
 def _row_values(*, user: User, spec: JobSpec) -> dict[str, Any]:

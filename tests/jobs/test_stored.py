@@ -74,7 +74,13 @@ class TestShownSpec:
         assert (spec, problem) == (JobSpec(name="a", recipe="mlp"), None)
 
     def test_the_fields_that_fail_are_left_out(self) -> None:
-        raw = {"name": "a", "hyperparameters": {"lr": float("inf"), "steps": 7}, "labels": {"k": "v"}, "x": 1}
+        raw = {
+            "name": "a",
+            "recipe": "mlp",
+            "hyperparameters": {"lr": float("inf"), "steps": 7},
+            "labels": {"k": "v"},
+            "x": 1,
+        }
         spec, problem = stored.shown_spec(raw, name="a")
         assert (spec.hyperparameters.lr, spec.hyperparameters.steps, spec.labels) == (0.05, 7, {"k": "v"})
         assert problem is not None and "hyperparameters.lr:" in problem and "x: Extra inputs" in problem

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from api_schemas.base import INT64_MAX
 from service.models import Checkpoint, LogLine, Metric
 from service.models.base import utcnow
-from service.params import INT32_MAX, INT64_MAX
+from service.params import INT32_MAX
 from tests.backends import BACKENDS, client_on, sessions_of
 from tests.jobs.test_router import SPEC
 
