@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import weakref
 from functools import lru_cache
@@ -19,10 +20,34 @@ from service.config import Settings, get_settings
 PING_IF_IDLE_SECONDS = 1.0
 
 
+def dump_json(value: Any) -> str:
+    """JSON text of a column value; ValueError for NaN or infinity, which JSON has no words for."""
+    # Python would write `NaN` and `Infinity`: PostgreSQL's JSONB refuses them, and SQLite stores them
+    # in text its JSON functions call malformed, so one such row fails every query that extracts from it.
+    return json.dumps(value, allow_nan=False)
+
+
+def load_json(text: str | bytes) -> Any:
+    """A column's JSON value; text that does not parse comes back as it is, a `str`, rather than raising."""
+    # A row written by hand or by an older version must not make every query that loads it fail
+    # (a job list, a placement round): whoever reads a spec or an error validates it anyway, and a
+    # `str` where a dict belongs fails that validation.
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text if isinstance(text, str) else bytes(text).decode("utf-8", "replace")
+
+
 def make_engine(database_url: str, *, pool_size: int = 16) -> Engine:
-    """An engine tuned for the backend: WAL and a busy timeout on SQLite, a pool that pings on PostgreSQL."""
+    """An engine tuned for the backend: WAL and a busy timeout on SQLite, a pool that pings on PostgreSQL.
+
+    JSON columns are written by `dump_json` and read by `load_json` on both.
+    """
+    json_args: dict[str, Any] = {"json_serializer": dump_json, "json_deserializer": load_json}
     if database_url.startswith("sqlite"):
-        engine = create_engine(database_url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            database_url, connect_args={"check_same_thread": False, "timeout": 30}, **json_args
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -36,7 +61,7 @@ def make_engine(database_url: str, *, pool_size: int = 16) -> Engine:
         return engine
     # Overflow connections are closed as soon as they are handed back, so a pool smaller than the
     # number of requests using it at once opens and closes a PostgreSQL backend (a fork) per request.
-    engine = create_engine(database_url, pool_size=pool_size, max_overflow=pool_size)
+    engine = create_engine(database_url, pool_size=pool_size, max_overflow=pool_size, **json_args)
     _ping_if_idle(engine)
     return engine
 

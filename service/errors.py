@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from service.strict_json import NOT_JSON_TEXT
+
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+# Levels of a refused input echoed back in a 422; deeper ones are cut (the field path says where).
+_ECHO_DEPTH = 8
 
 
 class ServiceError(Exception):
@@ -77,6 +84,12 @@ def install_error_handler(app: FastAPI) -> None:
             headers=exc.headers,
         )
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler fails (a 500, and the connection dropped) on an entry JSON cannot
+        # carry: a NaN or infinite input or bound, bytes, an exception in `ctx`.
+        return JSONResponse({"detail": [jsonable(e) for e in exc.errors()]}, status_code=422)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 405:
@@ -85,9 +98,30 @@ def install_error_handler(app: FastAPI) -> None:
             exc.headers = {**(exc.headers or {}), "Allow": ", ".join(_allowed(request))}
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # A body that is not even text (bad UTF-8): the same 422 as any other malformed JSON.
-            detail = [{"type": "json_invalid", "loc": ["body"], "msg": "body is not valid JSON text"}]
+            detail = [{"type": "json_invalid", "loc": ["body"], "msg": NOT_JSON_TEXT}]
             return JSONResponse({"detail": detail}, status_code=422)
         return await http_exception_handler(request, exc)
+
+
+def jsonable(value: Any, *, depth: int = 0) -> Any:
+    """`value` as strict JSON can carry it: non-finite floats as "NaN" or "Infinity", odd objects as text."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value, depth=depth)
+    if isinstance(value, dict | list | tuple | set | frozenset) and depth >= _ECHO_DEPTH:
+        return "..."
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, depth=depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v, depth=depth + 1) for v in value]
+    return str(value)
 
 
 def _allowed(request: Request) -> list[str]:

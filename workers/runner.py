@@ -229,7 +229,9 @@ def _supervise(
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
-    paths.spec_path.write_text(json.dumps(spec, indent=2))
+    # Refused (ValueError, the launcher's error) rather than handed to the engine as `NaN`, which
+    # Python's json reads back without a word: a spec with a non-finite number never runs.
+    paths.spec_path.write_text(json.dumps(spec, indent=2, allow_nan=False))
     cmd = torchrun_command(
         job_id=job_id,
         node=settings.node,

@@ -8,6 +8,8 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from service.strict_json import StrictJSONRoute
+
 STATIC = Path(__file__).resolve().parent / "static"
 
 # The page only talks to its own origin and builds the DOM with textContent, never HTML from data;
@@ -23,7 +25,7 @@ _HEADERS = {
     "Cache-Control": "no-cache",
 }
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=StrictJSONRoute)
 
 
 @router.get("/")

@@ -38,6 +38,8 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created, job_id = json.loads(raw)
+        if "\x00" in str(job_id):  # PostgreSQL refuses NUL in text even to compare with it
+            raise ValueError("NUL in the cursor's job id")
         return datetime.fromisoformat(created), str(job_id)
     except Exception as exc:  # noqa: BLE001 - any decoding problem is the client's bad cursor
         raise ValueError("malformed cursor") from exc

@@ -46,8 +46,15 @@ from service.etag import conditional, conditional_json
 from service.jobs import events, metrics_repository, repository, service
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
+from service.params import CheckpointId, Int32, Int64, JobId, Text
+from service.strict_json import StrictJSONRoute
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(Unauthorized, TooManyRequests))
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    responses=error_responses(Unauthorized, TooManyRequests),
+    route_class=StrictJSONRoute,
+)
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
 _REPLAY: dict[int | str, dict[str, object]] = {
     200: {"model": Job, "description": "A replay: the job this Idempotency-Key created"}
@@ -122,11 +129,11 @@ def list_jobs(
     session: SessionDep,
     user: CurrentUser,
     settings: SettingsDep,
-    limit: Annotated[int | None, Query(ge=1, description="Page size, up to DPTRAIN_MAX_PAGE_SIZE.")] = None,
+    limit: Annotated[Int64 | None, Query(ge=1, description="Page size, up to DPTRAIN_MAX_PAGE_SIZE.")] = None,
     cursor: str | None = None,
     status: JobStatus | None = None,
     label: Annotated[
-        list[str] | None, Query(description="`key=value`, repeatable: jobs carrying all of them.")
+        list[Text] | None, Query(description="`key=value`, repeatable: jobs carrying all of them.")
     ] = None,
     updated_since: Annotated[
         datetime | None,
@@ -158,7 +165,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=Job, responses=error_responses(NotFound) | _NOT_MODIFIED)
-async def get_job(job_id: str, request: Request, user: CurrentUser) -> Response:
+async def get_job(job_id: JobId, request: Request, user: CurrentUser) -> Response:
     """One job; answers 304 when `If-None-Match` holds its current ETag."""
     # The hot path of every client that polls: answered from this process's job cache when it
     # can (no database round trip, no threadpool hop), else with one query in one hop. The ETag
@@ -182,13 +189,13 @@ async def get_job(job_id: str, request: Request, user: CurrentUser) -> Response:
 
 
 @router.get("/{job_id}/timeline", response_model=Timeline, responses=error_responses(NotFound))
-def get_timeline(job_id: str, session: SessionDep, user: CurrentUser) -> Timeline:
+def get_timeline(job_id: JobId, session: SessionDep, user: CurrentUser) -> Timeline:
     """The job's status changes, oldest first."""
     return service.timeline(session, user=user, job_id=job_id)
 
 
 @router.post("/{job_id}/cancel", response_model=Job, responses=error_responses(NotFound))
-def cancel_job(job_id: str, request: Request, session: SessionDep, user: CurrentUser) -> Job:
+def cancel_job(job_id: JobId, request: Request, session: SessionDep, user: CurrentUser) -> Job:
     """Cancel a job: a queued one never starts, a running one is stopped by its worker."""
     job = service.cancel(session, user=user, job_id=job_id)
     # This process's next poll shows the cancel at once, without waiting for the notification
@@ -200,11 +207,11 @@ def cancel_job(job_id: str, request: Request, session: SessionDep, user: Current
 
 @router.get("/{job_id}/metrics", response_model=MetricSeries, responses=error_responses(NotFound))
 def get_metrics(
-    job_id: str,
+    job_id: JobId,
     session: SessionDep,
     user: CurrentUser,
-    since_step: Annotated[int | None, Query(ge=-1)] = None,
-    name: Annotated[str | None, Query(description="Comma-separated metric names.")] = None,
+    since_step: Annotated[Int64 | None, Query(ge=-1)] = None,
+    name: Annotated[Text | None, Query(description="Comma-separated metric names.")] = None,
     max_points: Annotated[
         int | None,
         Query(
@@ -229,14 +236,14 @@ def get_metrics(
 
 @router.get("/{job_id}/logs", response_model=LogPage, responses=error_responses(NotFound))
 def get_logs(
-    job_id: str,
+    job_id: JobId,
     session: SessionDep,
     user: CurrentUser,
     settings: SettingsDep,
-    after: Annotated[int | None, Query(ge=0, description="Cursor: the last line id already read.")] = None,
-    rank: Annotated[int | None, Query(ge=0)] = None,
+    after: Annotated[Int64 | None, Query(ge=0, description="Cursor: the last line id already read.")] = None,
+    rank: Annotated[Int32 | None, Query(ge=0)] = None,
     limit: Annotated[
-        int | None, Query(ge=1, description="Page size, up to DPTRAIN_MAX_LOG_PAGE_SIZE.")
+        Int64 | None, Query(ge=1, description="Page size, up to DPTRAIN_MAX_LOG_PAGE_SIZE.")
     ] = None,
     tail: Annotated[
         int | None, Query(ge=1, le=10_000, description="The last `tail` lines instead; not with `after`.")
@@ -263,13 +270,13 @@ def get_logs(
     responses=error_responses(NotFound) | {200: {"content": {"text/event-stream": {}}}},
 )
 def job_events(
-    job_id: str,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     user: CurrentUser,
     settings: SettingsDep,
     since_step: Annotated[
-        int | None, Query(ge=-1, description="First metrics event: points after it.")
+        Int64 | None, Query(ge=-1, description="First metrics event: points after it.")
     ] = None,
     max_points: Annotated[
         int | None, Query(ge=2, le=100_000, description="First metrics event: downsampled to this.")
@@ -293,7 +300,7 @@ def job_events(
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses=error_responses(NotFound))
-def list_checkpoints(job_id: str, session: SessionDep, user: CurrentUser) -> CheckpointList:
+def list_checkpoints(job_id: JobId, session: SessionDep, user: CurrentUser) -> CheckpointList:
     """Checkpoints of a job, oldest first."""
     service.get_visible(session, user=user, job_id=job_id)
     return CheckpointList(items=service.checkpoint_infos(repository.checkpoints(session, job_id=job_id)))
@@ -305,7 +312,7 @@ def list_checkpoints(job_id: str, session: SessionDep, user: CurrentUser) -> Che
     responses=error_responses(NotFound),
 )
 def download_checkpoint(
-    job_id: str, checkpoint_id: int, session: SessionDep, user: CurrentUser, settings: SettingsDep
+    job_id: JobId, checkpoint_id: CheckpointId, session: SessionDep, user: CurrentUser, settings: SettingsDep
 ) -> FileResponse:
     """The checkpoint file; open it with `torch.load(f, weights_only=True)`."""
     ckpt = service.get_checkpoint(session, user=user, job_id=job_id, checkpoint_id=checkpoint_id)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api_schemas import (
@@ -24,7 +25,8 @@ from api_schemas import (
 )
 from service.errors import Conflict, InvalidTransition, NotFound
 from service.etag import etag_of_version
-from service.jobs import lifecycle, repository
+from service.jobs import lifecycle, repository, stored
+from service.jobs.stored import INVALID_SPEC
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
 
@@ -40,12 +42,16 @@ def can_see(user: User, *, owner_id: int) -> bool:
 
 
 def to_schema(job: JobRow, *, owner: str) -> Job:
-    """The wire form of a job row."""
-    return Job(
+    """The wire form of a job row; a stored spec that does not validate shows as the job's error."""
+    spec, problem = stored.shown_spec(job.spec, name=job.name)
+    error = stored.shown_error(job.error)
+    if error is None and problem is not None:
+        error = JobError(type=INVALID_SPEC, message=problem)
+    fields: dict[str, Any] = dict(
         id=job.id,
         name=job.name,
         status=JobStatus(job.status),
-        spec=JobSpec.model_validate(job.spec),
+        spec=spec,
         owner=owner,
         created_at=job.created_at,
         updated_at=job.updated_at,
@@ -54,10 +60,18 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
         progress=Progress(step=job.step, total_steps=job.total_steps),
         attempt=job.attempt,
         cancel_requested=job.cancel_requested,
-        error=JobError.model_validate(job.error) if job.error else None,
-        latest_metrics=job.latest_metrics or {},
+        error=error,
+        latest_metrics=stored.shown_metrics(job.latest_metrics),
         queued_reason=job.queued_reason if job.status == JobStatus.QUEUED.value else None,
     )
+    try:
+        return Job(**fields)
+    except ValidationError:
+        if problem is None:
+            raise
+        # shown_spec's last resort is built without validation (nothing of the stored spec passed
+        # the spec's own checks), and so is the job around it; every other field is a typed column.
+        return Job.model_construct(**fields)
 
 
 def _row_values(*, user: User, spec: JobSpec) -> dict[str, Any]:

@@ -11,9 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.deps import SettingsDep
 from service.ops import repository
+from service.strict_json import StrictJSONRoute
 
 log = logging.getLogger(__name__)
-router = APIRouter(tags=["ops"])
+router = APIRouter(tags=["ops"], route_class=StrictJSONRoute)
 
 BROKER_TIMEOUT_SECONDS = 2.0
 

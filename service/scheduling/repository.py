@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from functools import lru_cache
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Table, bindparam, delete, func, insert, select, update
+from pydantic import ValidationError
+from sqlalchemy import ColumnElement, Table, bindparam, case, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from api_schemas import JobStatus
+from api_schemas import JobStatus, Resources
 from service.db import is_postgresql
+from service.jobs.stored import describe
 from service.models import Job, JobNode, Worker
 
 
@@ -49,28 +52,61 @@ def ports_in_use(session: Session) -> set[int]:
     return {int(p) for p in ports if p is not None}
 
 
-def queued_in_order(session: Session, *, limit: int) -> Sequence[tuple[str, int, QueuedNeeds, str | None]]:
-    """(id, owner id, needs, queued reason) of the first `limit` queued jobs: top priority, then oldest."""
-    # Only the three resource fields, extracted by the database: decoding every queued job's whole
-    # spec was half of an API process's CPU under a stream of submits (bench/findings.md, section 4).
-    resources = Job.spec["resources"]
+class Queued(NamedTuple):
+    """A queued job placement can read, and what it needs."""
+
+    job_id: str
+    owner_id: int
+    needs: QueuedNeeds
+    queued_reason: str | None
+
+
+class Unreadable(NamedTuple):
+    """A queued job whose stored spec placement cannot read, and why."""
+
+    job_id: str
+    problem: str
+
+
+def queued_in_order(session: Session, *, limit: int) -> tuple[list[Queued], list[Unreadable]]:
+    """The first `limit` queued jobs, top priority then oldest; those it cannot read apart, never an error."""
+    # Only the spec's `resources`, extracted by the database as JSON text: decoding every queued job's
+    # whole spec was half of an API process's CPU under a stream of submits (bench/findings.md, section 4).
+    resources = Job.spec["resources"].as_string()
+    if is_postgresql(session):
+        kind: ColumnElement[str | None] = func.jsonb_typeof(Job.spec)
+    else:
+        # SQLite's JSON functions fail the whole query on one row whose text they cannot parse (an
+        # older version stored NaN and Infinity there): json_valid() first (a CASE is lazy).
+        kind = case((func.json_valid(Job.spec) == 1, func.json_type(Job.spec)), else_="invalid JSON")
+        resources = case((kind == "object", resources))
     stmt = (
-        select(
-            Job.id,
-            Job.owner_id,
-            resources["device"].as_string(),
-            resources["nodes"].as_integer(),
-            resources["processes_per_node"].as_integer(),
-            Job.queued_reason,
-        )
+        select(Job.id, Job.owner_id, kind, resources, Job.queued_reason)
         .where(Job.status == JobStatus.QUEUED.value)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
         .limit(limit)
     )
-    return [
-        (job_id, int(owner), QueuedNeeds(device or "cpu", int(nodes or 1), int(per_node or 1)), reason)
-        for job_id, owner, device, nodes, per_node, reason in session.execute(stmt)
-    ]
+    queued, unreadable = [], []
+    for job_id, owner, spec_kind, text, reason in session.execute(stmt):
+        needs = (
+            _needs(text) if spec_kind == "object" else f"the stored spec is not a JSON object: {spec_kind}"
+        )
+        if isinstance(needs, str):
+            unreadable.append(Unreadable(job_id, needs))
+        else:
+            queued.append(Queued(job_id, int(owner), needs, reason))
+    return queued, unreadable
+
+
+@lru_cache(maxsize=256)
+def _needs(resources: str | None) -> QueuedNeeds | str:
+    """What a spec's `resources` (JSON text, None when absent) asks for, or why it cannot be read."""
+    # Cached: the queued jobs of a round share a handful of shapes, each parsed and validated once.
+    try:
+        found = Resources() if resources is None else Resources.model_validate_json(resources)
+    except ValidationError as exc:
+        return f"the stored spec's resources do not validate: {describe(exc)}"
+    return QueuedNeeds(found.device, found.nodes, found.processes_per_node)
 
 
 def running_per_owner(session: Session) -> dict[int, int]:

@@ -14,9 +14,11 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.dispatch import Dispatcher, NodeStart
 from service.jobs import lifecycle
+from service.jobs.stored import INVALID_SPEC
 from service.models.base import utcnow
 from service.scheduling import repository
 from service.scheduling.placement import Decision, Node, Pending, decide
@@ -51,7 +53,9 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
     """One placement round in the caller's transaction; returns what to start once it commits."""
     now = utcnow()
     workers = repository.lock_live_nodes(session, beat_after=now - live_after(settings))
-    queued = repository.queued_in_order(session, limit=SCAN_LIMIT)
+    queued, unreadable = repository.queued_in_order(session, limit=SCAN_LIMIT)
+    for job_id, problem in unreadable:
+        _fail_unreadable(session, job_id=job_id, problem=problem)
     if not queued:
         return []
     used = repository.used_slots(session)
@@ -63,15 +67,15 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
     ]
     pending = [
         Pending(
-            job_id=job_id,
-            owner_id=owner,
-            device=needs.device,
-            nodes=needs.nodes,
-            processes_per_node=needs.processes_per_node,
+            job_id=q.job_id,
+            owner_id=q.owner_id,
+            device=q.needs.device,
+            nodes=q.needs.nodes,
+            processes_per_node=q.needs.processes_per_node,
         )
-        for job_id, owner, needs, _ in queued
+        for q in queued
     ]
-    reasons = {job_id: reason for job_id, _, _, reason in queued}
+    reasons = {q.job_id: q.queued_reason for q in queued}
     decisions = decide(
         pending,
         nodes=nodes,
@@ -99,6 +103,20 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
             placed.append(started)
     repository.set_reasons(session, reasons=waits)
     return placed
+
+
+def _fail_unreadable(session: Session, *, job_id: str, problem: str) -> None:
+    """End a queued job whose stored spec placement cannot read: it could never start."""
+    error = JobError(type=INVALID_SPEC, message=problem)
+    lifecycle.transition(
+        session,
+        job_id=job_id,
+        src=JobStatus.QUEUED,
+        dst=JobStatus.FAILED,
+        reason=problem,
+        values={"error": error.model_dump(mode="json")},
+    )
+    log.warning("job %s failed at placement: %s", job_id, problem)
 
 
 def _free_port(ports: set[int], *, settings: Settings) -> int | None:

@@ -15,10 +15,15 @@ from service.errors import (
     Unauthorized,
     error_responses,
 )
+from service.params import UserPath
+from service.strict_json import StrictJSONRoute
 from service.users import service
 
 router = APIRouter(
-    prefix="/v1/users", tags=["users"], responses=error_responses(Unauthorized, TooManyRequests)
+    prefix="/v1/users",
+    tags=["users"],
+    responses=error_responses(Unauthorized, TooManyRequests),
+    route_class=StrictJSONRoute,
 )
 
 
@@ -45,7 +50,7 @@ def who_am_i(user: CurrentUser) -> UserInfo:
     response_model=IssuedToken,
     responses=error_responses(NotFound),
 )
-def issue_token(name: str, session: SessionDep, user: CurrentUser) -> IssuedToken:
+def issue_token(name: UserPath, session: SessionDep, user: CurrentUser) -> IssuedToken:
     """Issue another token for a user (admins: anyone; users: themselves), shown this once."""
     return service.issue_token(session, actor=user, name=name)
 
@@ -56,7 +61,7 @@ def issue_token(name: str, session: SessionDep, user: CurrentUser) -> IssuedToke
     response_class=Response,
     responses=error_responses(NotFound),
 )
-def revoke_tokens(name: str, session: SessionDep, user: CurrentUser) -> Response:
+def revoke_tokens(name: UserPath, session: SessionDep, user: CurrentUser) -> Response:
     """Revoke every token of a user at once (admins: anyone; users: themselves)."""
     service.revoke_tokens(session, actor=user, name=name)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

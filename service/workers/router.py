@@ -7,10 +7,14 @@ from fastapi import APIRouter
 from api_schemas import WorkerList
 from service.deps import CurrentUser, SessionDep, SettingsDep
 from service.errors import TooManyRequests, Unauthorized, error_responses
+from service.strict_json import StrictJSONRoute
 from service.workers import service
 
 router = APIRouter(
-    prefix="/v1/workers", tags=["workers"], responses=error_responses(Unauthorized, TooManyRequests)
+    prefix="/v1/workers",
+    tags=["workers"],
+    responses=error_responses(Unauthorized, TooManyRequests),
+    route_class=StrictJSONRoute,
 )
 
 
