@@ -8,6 +8,7 @@ it also sees everything that came before it: the final `job` event always follow
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -71,8 +72,11 @@ def poll(session: Session, state: StreamState) -> list[Event]:
             series.setdefault(name, []).append((step, value))
             state.metric_id = row_id
         drained = len(rows) < MAX_POINTS_PER_POLL
-    if series:
-        events.append(("metrics", {"series": {k: [list(p) for p in v] for k, v in series.items()}}))
+    # The reporter never stores a non-finite point, but a row written by hand may hold one, and a
+    # frame must stay JSON: such a point is left out rather than the stream cut.
+    finite = {k: [[s, v] for s, v in points if math.isfinite(v)] for k, points in series.items()}
+    if any(finite.values()):
+        events.append(("metrics", {"series": {k: v for k, v in finite.items() if v}}))
     ckpts = repository.checkpoints_after(session, job_id=state.job_id, after_id=state.checkpoint_id)
     events += [("checkpoint", info.model_dump(mode="json")) for info in service.checkpoint_infos(ckpts)]
     if ckpts:
@@ -90,7 +94,8 @@ def poll(session: Session, state: StreamState) -> list[Event]:
 
 
 def _frame(event_id: int, kind: str, data: Any) -> str:
-    return f"id: {event_id}\nevent: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+    data_json = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    return f"id: {event_id}\nevent: {kind}\ndata: {data_json}\n\n"
 
 
 async def stream(

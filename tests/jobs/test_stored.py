@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
+from sqlalchemy import text
 
 from api_schemas import JobSpec
 from service.jobs import stored
-from tests.backends import BACKENDS, client_on, store_raw
+from tests.backends import BACKENDS, client_on, sessions_of, store_raw
 from tests.jobs.test_router import SPEC
 
 
@@ -95,3 +96,28 @@ class TestShownSpec:
         with pytest.raises(ValidationError) as caught:
             JobSpec.model_validate({"name": "", "a": 1, "b": 2, "c": 3})
         assert stored.describe(caught.value, limit=2).endswith("(and 2 more)"), stored.describe(caught.value)
+
+
+def test_a_stored_non_finite_point_is_left_out_of_the_event_stream(client: TestClient) -> None:
+    # Only a hand can store one (the reporter refuses them), but the stream must stay JSON.
+    job_id = client.post("/v1/jobs", json=SPEC).json()["id"]
+    with sessions_of(client).begin() as s:
+        rows = [(1, 0.5), (2, float("nan")), (3, float("inf")), (4, 0.25)]
+        s.execute(
+            text("INSERT INTO metrics (job_id, attempt, name, step, value) VALUES (:j, 1, 'loss', :s, :v)"),
+            [{"j": job_id, "s": step, "v": value} for step, value in rows],
+        )
+    client.post(f"/v1/jobs/{job_id}/cancel")  # a terminal job: the stream ends
+    r = client.get(f"/v1/jobs/{job_id}/events")
+    assert r.status_code == 200, r.text[:300]
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"non-JSON number {token} in a frame: {r.text[:500]}")
+
+    frames = [
+        json.loads(line[6:], parse_constant=refuse)
+        for line in r.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    points = [p for f in frames for p in f.get("series", {}).get("loss", [])]
+    assert points == [[1, 0.5], [4, 0.25]], points
