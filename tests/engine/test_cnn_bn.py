@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.engine.spawn import spawn_gloo
+from tests.conftest import ENGINE_JOB, job_spec
+from tests.engine_fixtures import Launches
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.config import EngineConfig, JobConfig
@@ -35,38 +36,20 @@ STEPS = 10
 
 
 def _spec(**engine: Any) -> dict[str, Any]:
-    return {
-        "name": "cnn-bn-test",
-        "recipe": "cnn_bn",
-        "hyperparameters": {
-            "global_batch_size": 32,
-            "lr": 0.05,
-            "momentum": 0.9,
-            "weight_decay": 1e-4,
-            "steps": STEPS,
-            "seed": SEED,
-            "dataset_size": 256,
-        },
-        "resources": {"nodes": 1, "processes_per_node": 1, "device": "cpu"},
-        "engine": {"log_every_steps": 5, "collective_timeout_seconds": 60, **engine},
-        "checkpoint": {"every_steps": 100, "keep_last": 1},
-    }
+    return job_spec(
+        ENGINE_JOB,
+        name="cnn-bn-test",
+        recipe="cnn_bn",
+        hyperparameters={"steps": STEPS, "seed": SEED, "dataset_size": 256},
+        engine=engine,
+        checkpoint={"keep_last": 1},
+    )
 
 
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any]) -> Callable[..., dict[str, torch.Tensor]]:
-    """`launch(nproc, **engine)` -> the final checkpoint's model state, once per distinct argument set."""
-    cache: dict[str, dict[str, torch.Tensor]] = {}
-
-    def run(nproc: int, **engine: Any) -> dict[str, torch.Tensor]:
-        key = repr((nproc, sorted(engine.items())))
-        if key not in cache:
-            result = module_engine_runner(_spec(**engine), nproc)
-            assert result.returncode == 0, f"world {nproc} {engine}: expected exit 0\n{result.describe()}"
-            cache[key] = result.checkpoint(STEPS)["model"]
-        return cache[key]
-
-    return run
+@pytest.fixture
+def launch(launched: Launches) -> Callable[..., dict[str, torch.Tensor]]:
+    """`launch(nproc, **engine)` -> the final checkpoint's model state, launched once per session."""
+    return lambda nproc, **engine: launched.torchrun(_spec(**engine), nproc).checkpoint(STEPS)["model"]
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], buffers: bool = False) -> float:
@@ -169,12 +152,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Each rank's saved results."""
-    out = tmp_path_factory.mktemp("cnn_bn_spawn")
-    spawn_gloo(_worker, WORLD, str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+@pytest.fixture
+def spawned(launched: Launches) -> list[dict[str, Any]]:
+    """Each rank's saved results (spawned once per session)."""
+    return launched.gloo(_worker, WORLD)
 
 
 def _close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tests.engine_fixtures import Launches
+
 TOL = 1e-6
 
 
@@ -33,10 +35,10 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> Path:
 
 
 def test_resume_on_another_world_size_equals_the_uninterrupted_run(
-    engine_runner: Any, make_spec: Any, tmp_path: Path
+    launched: Launches, engine_runner: Any, make_spec: Any, tmp_path: Path
 ) -> None:
     spec = make_spec(hyperparameters={"steps": 8}, checkpoint={"every_steps": 4, "keep_last": 3})
-    full = engine_runner(spec, 2)
+    full = launched.torchrun(spec, 2)  # the same run as tests/engine/test_resume.py's
     assert full.returncode == 0, f"uninterrupted world 2: expected rc 0\n{full.describe()}"
     want = full.checkpoint(8)
 

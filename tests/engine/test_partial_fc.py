@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.engine.spawn import spawn_gloo
+from tests.engine_fixtures import Launches
 from workers.engine.recipes import partial_fc
 from workers.engine.sharding import shard_range
 
@@ -47,20 +48,10 @@ def _momentum(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {str(k): v["momentum_buffer"] for k, v in ckpt["optimizer"]["state"].items()}
 
 
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any]) -> Callable[..., Any]:
-    """`launch(spec, nproc, **kw)` -> the finished run, once per distinct argument set."""
-    cache: dict[str, Any] = {}
-
-    def run(spec: dict[str, Any], nproc: int, **kw: Any) -> Any:
-        key = repr((spec, nproc, sorted(kw.items())))
-        if key not in cache:
-            result = module_engine_runner(spec, nproc, **kw)
-            assert result.returncode == 0, f"world {nproc}: expected exit 0\n{result.describe()}"
-            cache[key] = result
-        return cache[key]
-
-    return run
+@pytest.fixture
+def launch(launched: Launches) -> Callable[..., Any]:
+    """`launch(spec, nproc)` -> the finished run, launched once per session."""
+    return launched.torchrun
 
 
 def test_same_result_at_any_world_size(launch: Callable[..., Any], make_spec: Any) -> None:
@@ -88,7 +79,7 @@ def test_same_result_at_any_world_size(launch: Callable[..., Any], make_spec: An
 
 
 def test_elastic_resume_reshards_the_checkpoint(
-    launch: Callable[..., Any], make_spec: Any, tmp_path: Path
+    launch: Callable[..., Any], engine_runner: Callable[..., Any], make_spec: Any, tmp_path: Path
 ) -> None:
     spec = _spec(make_spec)
     want = launch(spec, 1).checkpoint(STEPS)
@@ -99,7 +90,8 @@ def test_elastic_resume_reshards_the_checkpoint(
         ckpt_dir.mkdir()
         for suffix in ("", ".sha256"):
             shutil.copy(src / f"ckpt-{4:09d}.pt{suffix}", ckpt_dir / f"ckpt-{4:09d}.pt{suffix}")
-        run = launch(spec, world, checkpoint_dir=ckpt_dir)
+        run = engine_runner(spec, world, checkpoint_dir=ckpt_dir)
+        assert run.returncode == 0, f"world {world}: expected exit 0\n{run.describe()}"
         assert [e["start_iter"] for e in run.events(0) if e["type"] == "started"] == [4], run.describe()
         resumed[world] = run.checkpoint(STEPS)
     for world, got in resumed.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from api_schemas.jobs import EngineOptions
+from tests.engine_fixtures import Launches
 from workers.engine.config import EngineConfig, JobConfig
 
 FP32_TOLERANCE = 1e-6  # same bound as test_equivalence: only reduction order differs
@@ -22,28 +22,10 @@ BF16_TOLERANCE = 1e-3
 CLIP_NORM = 0.05  # well under the mlp's ~0.5-2 gradient norm, so every step clips
 
 
-def _run(
-    runner: Callable[..., Any],
-    base: dict[str, Any],
-    cache: dict[tuple[int, str], Any],
-    nproc: int,
-    **engine: Any,
-) -> Any:
-    key = (nproc, repr(sorted(engine.items())))
-    if key not in cache:
-        spec = copy.deepcopy(base)
-        spec["engine"].update(engine)
-        run = runner(spec, nproc)
-        assert run.returncode == 0, f"world {nproc} {engine}: expected torchrun to exit 0\n{run.describe()}"
-        cache[key] = run
-    return cache[key]
-
-
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any], equivalence_spec: dict[str, Any]) -> Callable[..., Any]:
-    """`launch(nproc, **engine)` runs the equivalence job once per distinct argument set."""
-    cache: dict[tuple[int, str], Any] = {}
-    return lambda nproc, **engine: _run(module_engine_runner, equivalence_spec, cache, nproc, **engine)
+@pytest.fixture
+def launch(launched: Launches, make_spec: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    """`launch(nproc, **engine)`: the equivalence job with these engine options, launched once per session."""
+    return lambda nproc, **engine: launched.torchrun(make_spec(engine=engine), nproc)
 
 
 def _params(run: Any) -> dict[str, torch.Tensor]:

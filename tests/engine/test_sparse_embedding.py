@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from api_schemas import JobSpec, spec_errors
-from tests.engine.spawn import spawn_gloo
+from tests.conftest import ENGINE_JOB, job_spec
+from tests.engine_fixtures import Launches
 from workers.engine import distributed as D
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.config import JobConfig
@@ -39,39 +40,21 @@ TABLE = "embedding.weight"
 
 
 def _spec(**engine: Any) -> dict[str, Any]:
-    return {
-        "name": "sparse-test",
-        "recipe": "sparse_embedding",
-        "hyperparameters": {
-            "global_batch_size": 32,
-            "lr": 0.05,
-            "momentum": 0.9,
-            "weight_decay": 1e-4,
-            "steps": STEPS,
-            "seed": SEED,
-            "dataset_size": 256,
-        },
-        "resources": {"nodes": 1, "processes_per_node": 1, "device": "cpu"},
+    return job_spec(
+        ENGINE_JOB,
+        name="sparse-test",
+        recipe="sparse_embedding",
+        hyperparameters={"steps": STEPS, "seed": SEED, "dataset_size": 256},
         # Clipping on, below the gradient norm (~0.25), so the sparse-aware clip really scales.
-        "engine": {"log_every_steps": 1, "collective_timeout_seconds": 60, "grad_clip_norm": 0.2, **engine},
-        "checkpoint": {"every_steps": 100, "keep_last": 1},
-    }
+        engine={"log_every_steps": 1, "grad_clip_norm": 0.2, **engine},
+        checkpoint={"keep_last": 1},
+    )
 
 
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any]) -> Callable[..., Any]:
-    """`launch(nproc, **engine)` -> the finished run, once per distinct argument set."""
-    cache: dict[str, Any] = {}
-
-    def run(nproc: int, **engine: Any) -> Any:
-        key = repr((nproc, sorted(engine.items())))
-        if key not in cache:
-            result = module_engine_runner(_spec(**engine), nproc)
-            assert result.returncode == 0, f"world {nproc} {engine}: expected exit 0\n{result.describe()}"
-            cache[key] = result
-        return cache[key]
-
-    return run
+@pytest.fixture
+def launch(launched: Launches) -> Callable[..., Any]:
+    """`launch(nproc, **engine)` -> the finished run, launched once per session."""
+    return lambda nproc, **engine: launched.torchrun(_spec(**engine), nproc)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -241,12 +224,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Each rank's saved results."""
-    out = tmp_path_factory.mktemp("sparse_spawn")
-    spawn_gloo(_worker, WORLD, str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+@pytest.fixture
+def spawned(launched: Launches) -> list[dict[str, Any]]:
+    """Each rank's saved results (spawned once per session)."""
+    return launched.gloo(_worker, WORLD)
 
 
 def _close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -4,33 +4,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobSpec, JobStatus
+from api_schemas import JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import service
 from service.models import Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.conftest import create_database, drop_database
-from tests.workers.runs import place_here, run_attempt
+from tests.conftest import job_spec
+from tests.workers.runs import node_settings, place_here, run_attempt, submit_as_admin
 from workers.procs import rank_processes
 from workers.runner import run_node
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # The runner commits through its own sessions, so this module gets a database of its own.
-    url = create_database("dptrain_runner")
-    tmp = tmp_path_factory.mktemp("runner")
-    yield Settings(database_url=url, artifact_root=tmp / "artifacts", home=tmp, report_interval_seconds=0.2)
-    drop_database(url)
+    return node_settings(own_database, tmp_path_factory.mktemp("runner"))
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +36,14 @@ def sessions(settings: Settings) -> sessionmaker[Session]:
 
 
 def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
-    spec = {
-        "name": "runner",
-        "recipe": "mlp",
-        "hyperparameters": {"global_batch_size": 8, "steps": 4, "hidden_size": 8},
-        "resources": {"processes_per_node": 2},
-        "checkpoint": {"every_steps": 2},
-        **over,
-    }
-    with sessions.begin() as s:
-        user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
-        return service.submit(s, user=user, spec=JobSpec.model_validate(spec)).id
+    spec = job_spec(
+        name="runner",
+        hyperparameters={"global_batch_size": 8, "steps": 4, "hidden_size": 8},
+        resources={"processes_per_node": 2},
+        checkpoint={"every_steps": 2},
+    )
+    spec.update(over)  # a section given here replaces the whole section
+    return submit_as_admin(sessions, spec)
 
 
 def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
@@ -198,7 +192,7 @@ def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
 
 
 def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node(
-    settings: Settings, sessions: sessionmaker
+    settings: Settings, sessions: sessionmaker, free_port: Callable[[], int]
 ) -> None:
     from sqlalchemy import func, select
 
@@ -206,7 +200,6 @@ def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node
     from service.models import JobNode
     from service.models.base import utcnow
     from service.scheduling import repository as placement
-    from tests.e2e.helpers import free_port
 
     job_id = _submit(sessions, resources={"nodes": 2, "processes_per_node": 1})
     with sessions.begin() as s:
