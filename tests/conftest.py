@@ -1,5 +1,5 @@
 """Shared fixtures: PostgreSQL (one migrated database rolled back per test, or one of a module's own),
-the job spec every test builds on, and free ports.
+the job spec every test builds on, free ports, and the guard that keeps the `e2e` marker honest.
 
 Test functions take these as fixtures; code that runs where no fixture reaches (module-level
 constants, parametrize lists, helper modules such as tests/e2e/stack.py, spawned ranks) imports the
@@ -9,10 +9,13 @@ plain functions from here.
 from __future__ import annotations
 
 import copy
+import multiprocessing.process
 import os
 import socket
+import subprocess
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +183,63 @@ def job_spec_fixture() -> Callable[..., dict[str, Any]]:
 def make_spec() -> Callable[..., dict[str, Any]]:
     """`make_spec(**overrides)`: the engine tests' job (ENGINE_JOB), overrides merged as job_spec does."""
     return lambda *layers, **overrides: job_spec(ENGINE_JOB, *layers, **overrides)
+
+
+# ---- the e2e marker -----------------------------------------------------------------------------------
+
+# Every way a test could start a process: subprocess (and asyncio's subprocesses, built on it),
+# multiprocessing and torch.multiprocessing (their Process.start), and the os calls beneath.
+# Threads are not processes: an in-process uvicorn or a scheduler thread is fine anywhere.
+_PROCESS_STARTS: list[tuple[Any, str]] = [
+    (subprocess.Popen, "_execute_child"),
+    (multiprocessing.process.BaseProcess, "start"),
+    (os, "fork"),
+    (os, "forkpty"),
+    (os, "system"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+]
+
+
+@contextmanager
+def _refusing_process_starts(nodeid: str) -> Iterator[list[str]]:
+    """While inside, a process start fails the test; yields the starts refused (a thread's too)."""
+    refused: list[str] = []
+
+    def refusal(where: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            what = f"{where} {args[1]!r}" if where.endswith("_execute_child") else where
+            refused.append(what)
+            pytest.fail(f"{nodeid} starts a process ({what}): mark it e2e (pytest.mark.e2e)", pytrace=False)
+
+        return refuse
+
+    with pytest.MonkeyPatch.context() as mp:
+        for owner, name in _PROCESS_STARTS:
+            if hasattr(owner, name):
+                mp.setattr(owner, name, refusal(f"{getattr(owner, '__name__', owner)}.{name}"))
+        yield refused
+
+
+def _guarded(item: pytest.Item) -> Generator[None, Any, Any]:
+    """Run a test phase; unless the test is marked e2e, starting a process in it fails the test."""
+    if item.get_closest_marker("e2e") is not None:
+        return (yield)
+    with _refusing_process_starts(item.nodeid) as refused:
+        result = yield
+    if refused:  # refused where the failure did not reach the test: in a thread, or swallowed
+        pytest.fail(f"{item.nodeid} starts processes ({'; '.join(refused)}): mark it e2e", pytrace=False)
+    return result
+
+
+# Setup is guarded as well as the call: a module- or session-scoped fixture runs in the setup of the
+# first test that asks for it, and whatever it starts, that test starts. Teardown is not: a shared
+# fixture may end (stop servers, drop a database) after a test that never used it.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, Any]:
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    return (yield from _guarded(item))

@@ -18,6 +18,8 @@ from tests.conftest import job_spec
 from tests.e2e.cluster import Cluster, running_cluster
 from tests.e2e.helpers import wait_for_terminal
 
+pytestmark = pytest.mark.e2e
+
 TOLERANCE = 1e-6
 
 

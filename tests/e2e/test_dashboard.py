@@ -20,6 +20,8 @@ from tests.conftest import job_spec
 from tests.e2e.helpers import ROOT
 from tests.e2e.stack import Stack
 
+pytestmark = pytest.mark.e2e
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 REPORTS = ROOT / "test-reports"

@@ -6,9 +6,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.e2e.helpers import Procs, clean_env, wait_healthy
 from tests.e2e.scenario import run_mlp_scenario
+
+pytestmark = pytest.mark.e2e
 
 
 def test_dptrain_up_runs_a_job_with_no_servers(tmp_path: Path, free_port: Callable[[], int]) -> None:

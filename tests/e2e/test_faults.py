@@ -23,6 +23,8 @@ from tests.e2e.services import PrivatePostgres, PrivateRedis
 from tests.e2e.stack import Stack, running_stack
 from workers.procs import rank_processes
 
+pytestmark = pytest.mark.e2e
+
 STEPS = 30
 
 

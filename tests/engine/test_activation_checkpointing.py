@@ -74,6 +74,7 @@ def launch(launched: Launches, make_spec: Callable[..., dict[str, Any]]) -> Call
 WORLD_2 = {"precision": "bf16", "grad_accumulation_steps": 2}
 
 
+@pytest.mark.e2e
 class TestMlpUnderTorchrun:
     @pytest.mark.parametrize(
         ("nproc", "engine"), [(1, {}), (2, WORLD_2)], ids=["world1", "world2-bf16-accum2"]
@@ -315,6 +316,7 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
+@pytest.mark.e2e
 def test_gradients_are_views_of_ddp_buckets_at_world_2(tmp_path: Path) -> None:
     spawn_gloo(_bucket_worker, 2, str(tmp_path))
     for rank in range(2):
@@ -327,6 +329,9 @@ def test_gradients_are_views_of_ddp_buckets_at_world_2(tmp_path: Path) -> None:
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
 def test_benchmark_smoke_saves_less_for_backward(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

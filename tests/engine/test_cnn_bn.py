@@ -58,6 +58,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], buffers: b
     return max((a[k].double() - b[k].double()).abs().max().item() for k in keys)
 
 
+@pytest.mark.e2e
 def test_sync_batchnorm_at_world_2_matches_world_1(launch: Callable[..., dict[str, torch.Tensor]]) -> None:
     one, two = launch(1), launch(WORLD, sync_batchnorm=True)
     params, buffers = _max_diff(two, one), _max_diff(two, one, buffers=True)
@@ -70,6 +71,7 @@ def test_sync_batchnorm_at_world_2_matches_world_1(launch: Callable[..., dict[st
     cnn_bn.build_model(cnn_bn.CnnBnConfig()).load_state_dict(two)  # loads into the plain model
 
 
+@pytest.mark.e2e
 def test_buffer_modes_differ_without_sync(launch: Callable[..., dict[str, torch.Tensor]]) -> None:
     average, broadcast = launch(WORLD), launch(WORLD, buffers="broadcast")
     # Per-rank BatchNorm legitimately changes the math (each rank normalises its half), so no equivalence
@@ -164,6 +166,7 @@ def _close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= TOLERANCE, f"{what}: expected max abs error <= {TOLERANCE}, got {err:.3g}"
 
 
+@pytest.mark.e2e
 def test_sync_batchnorm_on_half_batches_equals_batchnorm_on_the_whole(spawned: list[dict[str, Any]]) -> None:
     model = _model()
     x, y = _batch()
@@ -200,6 +203,7 @@ def _shard_stats() -> list[dict[str, torch.Tensor]]:
     return stats
 
 
+@pytest.mark.e2e
 def test_average_mode_leaves_every_rank_with_the_mean_of_the_ranks_stats(
     spawned: list[dict[str, Any]],
 ) -> None:
@@ -213,6 +217,7 @@ def test_average_mode_leaves_every_rank_with_the_mean_of_the_ranks_stats(
         )
 
 
+@pytest.mark.e2e
 def test_broadcast_mode_keeps_rank_0_own_stats(spawned: list[dict[str, Any]]) -> None:
     shards = _shard_stats()
     for n in shards[0]:

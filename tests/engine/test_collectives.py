@@ -105,6 +105,7 @@ def _assert_close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= TOL, f"{what}: max abs error {err:.3g} > {TOL}\nexpected:\n{expected}\ngot:\n{got}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", sorted(_cases(2)))
 def test_matches_single_process_reference(
@@ -119,6 +120,7 @@ def test_matches_single_process_reference(
         assert res[name]["input_untouched"], f"{name} W={world_size} rank {rank}: the input was mutated"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_gather_unequal_shapes_raise_everywhere(
     spawned: Callable[[int], list[dict[str, Any]]], world_size: int

@@ -11,9 +11,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.engine_fixtures import Launches
+
+pytestmark = pytest.mark.e2e  # torchrun at world 4, 2 and 1
 
 TOL = 1e-6
 

@@ -47,6 +47,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.mark.e2e
 class TestPeriodOne:
     """`local_sgd_period: 1` averages after every step: the same update as allreduce mode."""
 
@@ -75,6 +76,7 @@ class TestPeriodOne:
         assert diff <= TOLERANCE, f"expected max |param diff| <= {TOLERANCE}, got {diff:.3g}"
 
 
+@pytest.mark.e2e
 class TestResume:
     """A job resumed from a checkpoint at an averaging step continues the same schedule."""
 
@@ -163,6 +165,7 @@ def spawned(launched: Launches) -> list[dict[str, list[list[torch.Tensor]]]]:
     return launched.gloo(_worker, WORLD)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(SPAWN_CASES))
 def test_replicas_are_equal_exactly_after_warmup_and_averaging_steps(
     spawned: list[dict[str, list[list[torch.Tensor]]]], case: str

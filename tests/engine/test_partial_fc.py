@@ -54,6 +54,7 @@ def launch(launched: Launches) -> Callable[..., Any]:
     return launched.torchrun
 
 
+@pytest.mark.e2e
 def test_same_result_at_any_world_size(launch: Callable[..., Any], make_spec: Any) -> None:
     spec = _spec(make_spec)
     finals = {w: launch(spec, w).checkpoint(STEPS) for w in (1, 2, 4)}
@@ -78,6 +79,7 @@ def test_same_result_at_any_world_size(launch: Callable[..., Any], make_spec: An
     model.load_state_dict(finals[4]["model"])  # a world-4 checkpoint is a plain, whole model
 
 
+@pytest.mark.e2e
 def test_elastic_resume_reshards_the_checkpoint(
     launch: Callable[..., Any], engine_runner: Callable[..., Any], make_spec: Any, tmp_path: Path
 ) -> None:
@@ -102,6 +104,7 @@ def test_elastic_resume_reshards_the_checkpoint(
         )
 
 
+@pytest.mark.e2e
 def test_clipping_sums_the_shards_norms_across_ranks(launch: Callable[..., Any], make_spec: Any) -> None:
     spec = _spec(make_spec)
     spec["engine"]["grad_clip_norm"] = 0.05
@@ -175,6 +178,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loss_and_gradients_equal_one_full_classifier(world: int, tmp_path: Path) -> None:
     spawn_gloo(_worker, world, str(tmp_path))

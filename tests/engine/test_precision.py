@@ -42,6 +42,7 @@ def _metrics(run: Any, name: str) -> dict[int, float]:
     return {e["step"]: e["values"][name] for e in run.events(0) if e["type"] == "metrics"}
 
 
+@pytest.mark.e2e
 def test_accumulation_at_world_2_matches_world_1(launch: Callable[..., Any]) -> None:
     ref, accum = launch(1), launch(2, grad_accumulation_steps=2)
     diff = _max_diff(_params(accum), _params(ref))
@@ -53,6 +54,7 @@ def test_accumulation_at_world_2_matches_world_1(launch: Callable[..., Any]) -> 
         assert abs(got_loss[step] - loss) <= 1e-5, f"step {step}: expected loss {loss}, got {got_loss[step]}"
 
 
+@pytest.mark.e2e
 def test_clipping_matches_across_world_sizes_and_clips(launch: Callable[..., Any]) -> None:
     one, two = launch(1, grad_clip_norm=CLIP_NORM), launch(2, grad_clip_norm=CLIP_NORM)
     for w, run in ((1, one), (2, two)):
@@ -73,6 +75,7 @@ def test_clipping_matches_across_world_sizes_and_clips(launch: Callable[..., Any
     )
 
 
+@pytest.mark.e2e
 def test_bf16_matches_across_world_sizes_and_differs_from_fp32(launch: Callable[..., Any]) -> None:
     one, two = launch(1, precision="bf16"), launch(2, precision="bf16")
     diff = _max_diff(_params(two), _params(one))

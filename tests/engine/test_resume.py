@@ -15,6 +15,7 @@ from workers.engine.checkpoint import CheckpointManager
 from workers.engine.main import main
 
 
+@pytest.mark.e2e
 def test_resume_is_bitwise_exact(
     launched: Launches, engine_runner: Any, make_spec: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:

@@ -62,6 +62,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("world", "engine"), [(2, {}), (4, {}), (2, {"grad_accumulation_steps": 2})], ids=["2", "4", "2-accum2"]
 )
@@ -75,6 +76,7 @@ def test_world_sizes_end_at_the_same_parameters(
     assert diff <= TOLERANCE, f"expected max |param diff| <= {TOLERANCE} vs world 1, got {diff:.3g}"
 
 
+@pytest.mark.e2e
 def test_loss_falls_and_only_touched_rows_move(launch: Callable[..., Any]) -> None:
     run = launch(1)
     losses = [e["values"]["loss"] for e in run.events(0) if e["type"] == "metrics"]
@@ -89,6 +91,7 @@ def test_loss_falls_and_only_touched_rows_move(launch: Callable[..., Any]) -> No
     assert 0 < moved < rows, f"expected sparse updates to move some but not all {rows} rows, got {moved}"
 
 
+@pytest.mark.e2e
 def test_allgather_equals_dense_sync(launch: Callable[..., Any]) -> None:
     gathered = launch(WORLD).checkpoint(STEPS)["model"]
     dense = launch(WORLD, sparse="dense").checkpoint(STEPS)["model"]
@@ -236,6 +239,7 @@ def _close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= TOLERANCE, f"{what}: expected max abs error <= {TOLERANCE}, got {err:.3g}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["allgather", "dense"])
 def test_sync_averages_rows_only_some_ranks_touched(spawned: list[dict[str, Any]], mode: str) -> None:
     expected = torch.zeros(10, 3)
@@ -253,6 +257,7 @@ def test_sync_averages_rows_only_some_ranks_touched(spawned: list[dict[str, Any]
         assert res[f"{mode}_all_none"] is None, f"{mode}: expected None when no rank has a gradient"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["allgather", "dense"])
 def test_a_trainer_step_gives_every_rank_the_full_batch_gradient(
     spawned: list[dict[str, Any]], mode: str
@@ -281,6 +286,7 @@ def test_a_trainer_step_gives_every_rank_the_full_batch_gradient(
             _close(f"{mode} rank {rank} grad {name}", got, full)
 
 
+@pytest.mark.e2e
 def test_non_data_parallel_parameter_keeps_each_rank_own_gradient(spawned: list[dict[str, Any]]) -> None:
     cfg = _cfg(False, grad_clip_norm=None)
     t = cfg.training

@@ -14,7 +14,10 @@ import torch
 
 from api_schemas import RECIPES
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.e2e,  # torchrun
+]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -75,6 +75,7 @@ def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:
     return dict(torch.load(path, weights_only=True))
 
 
+@pytest.mark.e2e
 def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,6 +126,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
         assert_bitwise_equal(want[key], got[key], key)
 
 
+@pytest.mark.e2e
 def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,6 +142,7 @@ def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     assert [s for s, _ in _timeline(sessions, job_id)] == ["queued", "running", "queued", "running", "failed"]
 
 
+@pytest.mark.e2e
 def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessionmaker[Session]) -> None:
     job_id = _submit(
         # An absurd learning rate overflows the loss within a few steps (as in tests/engine).

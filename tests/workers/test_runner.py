@@ -59,6 +59,7 @@ def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[str]:
         return [r.to_status for r in rows]
 
 
+@pytest.mark.e2e
 def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions)
     attempt = place_here(settings, job_id=job_id)
@@ -79,6 +80,7 @@ def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, se
     assert run_attempt(job_id=job_id, settings=settings) is None, "a late redelivery must not run again"
 
 
+@pytest.mark.e2e
 def test_a_rank_that_raises_fails_the_job_with_its_rank_and_traceback(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,6 +112,7 @@ def _wait_step(sessions: sessionmaker[Session], job_id: str, step: int, timeout:
     raise AssertionError(f"job {job_id} did not reach step {step} in {timeout} s")
 
 
+@pytest.mark.e2e
 def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
     thread, out = _run_in_thread(settings, job_id)
@@ -137,6 +140,7 @@ def test_a_cancelled_queued_job_never_starts(settings: Settings, sessions: sessi
     assert job.status == "cancelled" and job.attempt == 0 and job.started_at is None
 
 
+@pytest.mark.e2e
 def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(
         sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000}, max_runtime_seconds=2
@@ -147,6 +151,7 @@ def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessio
     assert rank_processes(job_id) == []
 
 
+@pytest.mark.e2e
 def test_outputs_are_written_under_the_artifact_root(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
@@ -158,6 +163,7 @@ def test_outputs_are_written_under_the_artifact_root(settings: Settings, session
     assert (job_dir / "attempt-1" / "node-0" / "logs" / "rank1.log").is_file()
 
 
+@pytest.mark.e2e
 def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,6 +179,7 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     assert rank_processes(job_id) == [], "the stuck rank must be killed too"
 
 
+@pytest.mark.e2e
 def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,6 +198,7 @@ def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     assert kicks == [1], "placement is asked to use them"
 
 
+@pytest.mark.e2e
 def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node(
     settings: Settings, sessions: sessionmaker, free_port: Callable[[], int]
 ) -> None:
