@@ -133,7 +133,11 @@ class Launches:
     def torchrun(
         self, spec: dict[str, Any], nproc: int, *, extra_env: dict[str, str] | None = None
     ) -> EngineRun:
-        """The finished torchrun launch of `spec` on `nproc` ranks, which must succeed."""
+        """The finished torchrun launch of `spec` on `nproc` ranks, which must succeed.
+
+        The test's own environment is not part of the key: a launch that depends on it (a
+        monkeypatched DPTRAIN_* variable) passes it as `extra_env`, or runs on `engine_runner`.
+        """
         key = json.dumps(
             {
                 "spec": {**spec, "resources": {**spec["resources"], "processes_per_node": nproc}},
