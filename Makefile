@@ -1,10 +1,11 @@
-# dptrain: `make run` starts the embedded service, `make test` runs the whole suite.
+# dptrain: `make run` starts the embedded service, `make test` runs the whole suite, `make test-fast`
+# the tests that start no processes (the inner loop).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup run test lint typecheck clean bench bench-smoke
+.PHONY: setup run test test-fast lint typecheck clean bench bench-smoke
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,11 @@ run: setup
 
 test: setup lint bench-smoke
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop: every test not marked e2e (none starts a process: tests/conftest.py fails one
+# that does), without lint or bench-smoke. Under two minutes; `make test` stays the whole suite.
+test-fast: setup
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 # Every benchmark for real (minutes; needs PostgreSQL and Redis like the tests): writes
 # bench/results.json and BENCHMARKS.md. See docs/benchmarks.md.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from alembic import command
 
 from migrations import alembic_config
@@ -44,6 +45,7 @@ def test_api_schemas_import_only_pydantic() -> None:
     assert {f: m for f, m in bad.items() if m} == {}, bad
 
 
+@pytest.mark.e2e
 def test_the_api_process_never_imports_torch() -> None:
     code = "import sys, service.main, service.dispatch; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -12,8 +12,8 @@ from sqlalchemy.exc import StatementError
 
 from service.db import load_json, make_engine
 from service.models import Job, MetricRollup
+from tests.api_fixtures import SPEC
 from tests.backends import BACKENDS, sessions_of, sqlite_client, sqlite_settings, store_raw
-from tests.jobs.test_router import SPEC
 
 
 @pytest.fixture(params=BACKENDS)

@@ -8,12 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api_schemas import RECIPES, JobSpec
+from tests.conftest import job_spec
 
-VALID: dict[str, Any] = {
-    "name": "ok",
-    "recipe": "mlp",
-    "hyperparameters": {"global_batch_size": 8, "steps": 2},
-}
+VALID: dict[str, Any] = job_spec(name="ok", hyperparameters={"global_batch_size": 8, "steps": 2})
 
 CASES: list[tuple[str, dict[str, Any], tuple[str | int, ...], str]] = [
     ("missing name", {"recipe": "mlp"}, ("body", "name"), "Field required"),

@@ -23,7 +23,8 @@ from pathlib import Path
 import httpx
 
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.e2e.helpers import Procs, clean_env, free_port, wait_healthy
+from tests.conftest import free_port
+from tests.e2e.helpers import Procs, service_env, wait_healthy
 from tests.e2e.services import PrivatePostgres, PrivateRedis
 
 
@@ -128,15 +129,11 @@ def running_cluster(tmp: Path, *, slots: list[int], **extra_env: str) -> Iterato
         db_url = pg.create_database("dptrain_cluster")
         redis_server = PrivateRedis(tmp, bind=listen)
         redis_server.start()
-        env = clean_env(
-            DPTRAIN_DATABASE_URL=db_url,
-            DPTRAIN_BROKER_URL=redis_server.url,
-            DPTRAIN_QUEUE="dptrain-cluster",
-            DPTRAIN_ARTIFACT_ROOT=str(tmp / "artifacts"),  # shared by every node, as NFS would be
-            DPTRAIN_HOME=str(tmp / "home"),
-            DPTRAIN_BOOTSTRAP_TOKEN=ADMIN_TOKEN,
-            DPTRAIN_REPORT_INTERVAL_SECONDS="0.2",
-            DPTRAIN_SCHEDULE_INTERVAL_SECONDS="0.5",
+        env = service_env(
+            tmp,
+            db_url=db_url,
+            broker_url=redis_server.url,
+            queue="dptrain-cluster",
             DPTRAIN_RECONCILE_INTERVAL_SECONDS="0.5",
             DPTRAIN_WORKER_HEARTBEAT_SECONDS="0.5",
             DPTRAIN_WORKER_LEASE_SECONDS="4",

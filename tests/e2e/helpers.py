@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,9 @@ import httpx
 
 from api_schemas import JobStatus
 from service.jobs.lifecycle import can_transition
+from tests.api_fixtures import ADMIN_TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -34,6 +27,27 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
+
+
+def service_env(tmp: Path, *, db_url: str, broker_url: str, queue: str, **settings: str) -> dict[str, str]:
+    """The environment of a test stack's API and workers: `clean_env` plus what every stack sets.
+
+    Its database, broker and queue; artifacts under `tmp` (shared by every node, as NFS would be);
+    the admin's token; reports and placement rounds quick enough for tests; then `settings`.
+    """
+    return clean_env(
+        **{
+            "DPTRAIN_DATABASE_URL": db_url,
+            "DPTRAIN_BROKER_URL": broker_url,
+            "DPTRAIN_QUEUE": queue,
+            "DPTRAIN_ARTIFACT_ROOT": str(tmp / "artifacts"),
+            "DPTRAIN_HOME": str(tmp / "home"),
+            "DPTRAIN_BOOTSTRAP_TOKEN": ADMIN_TOKEN,
+            "DPTRAIN_REPORT_INTERVAL_SECONDS": "0.2",
+            "DPTRAIN_SCHEDULE_INTERVAL_SECONDS": "0.5",
+            **settings,
+        }
+    )
 
 
 class Procs:

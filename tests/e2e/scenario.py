@@ -8,16 +8,16 @@ from typing import Any
 import httpx
 import torch
 
+from tests.conftest import job_spec
 from tests.e2e.helpers import Procs, wait_for_terminal
 
-SPEC: dict[str, Any] = {
-    "name": "e2e-mlp",
-    "recipe": "mlp",
-    "hyperparameters": {"global_batch_size": 16, "steps": 6, "lr": 0.1, "momentum": 0.9, "hidden_size": 16},
-    "resources": {"processes_per_node": 2, "device": "cpu"},
-    "checkpoint": {"every_steps": 3, "keep_last": 5},
-    "labels": {"suite": "e2e"},
-}
+SPEC: dict[str, Any] = job_spec(
+    name="e2e-mlp",
+    hyperparameters={"global_batch_size": 16, "steps": 6, "lr": 0.1, "momentum": 0.9, "hidden_size": 16},
+    resources={"processes_per_node": 2, "device": "cpu"},
+    checkpoint={"every_steps": 3, "keep_last": 5},
+    labels={"suite": "e2e"},
+)
 
 
 def run_mlp_scenario(http: httpx.Client, procs: Procs) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import create_engine, text
 
-from tests.e2e.helpers import free_port
+from tests.conftest import free_port
 
 
 def _pg_bin(name: str) -> str:

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.conftest import create_database, drop_database
-from tests.e2e.helpers import Procs, clean_env, free_port, wait_healthy
+from tests.conftest import create_database, drop_database, free_port
+from tests.e2e.helpers import Procs, service_env, wait_healthy
 
 
 @dataclass
@@ -38,17 +38,13 @@ def running_stack(
     """
     own_db = db_url is None
     db_url = db_url or create_database("dptrain_e2e")
-    env = clean_env(
-        DPTRAIN_DATABASE_URL=db_url,
-        DPTRAIN_BROKER_URL=broker_url,
+    env = service_env(
+        tmp,
+        db_url=db_url,
+        broker_url=broker_url,
         # A queue of this run's own, so parallel runs on one broker never take each other's jobs.
-        DPTRAIN_QUEUE=f"dptrain-e2e-{uuid.uuid4().hex[:8]}",
-        DPTRAIN_ARTIFACT_ROOT=str(tmp / "artifacts"),
-        DPTRAIN_HOME=str(tmp / "home"),
-        DPTRAIN_BOOTSTRAP_TOKEN=ADMIN_TOKEN,
-        DPTRAIN_REPORT_INTERVAL_SECONDS="0.2",
+        queue=f"dptrain-e2e-{uuid.uuid4().hex[:8]}",
         # Short, so the lost-publish test does not wait ten minutes.
-        DPTRAIN_SCHEDULE_INTERVAL_SECONDS="0.5",
         DPTRAIN_REPUBLISH_AFTER_SECONDS="3",
         DPTRAIN_RECONCILE_INTERVAL_SECONDS="1",
         **extra_env,

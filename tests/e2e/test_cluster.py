@@ -14,27 +14,30 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import job_spec
 from tests.e2e.cluster import Cluster, running_cluster
 from tests.e2e.helpers import wait_for_terminal
+
+pytestmark = pytest.mark.e2e
 
 TOLERANCE = 1e-6
 
 
 def _spec(name: str, *, nodes: int, ppn: int, steps: int = 8, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "recipe": "mlp",
-        "hyperparameters": {
+    spec = job_spec(
+        name=name,
+        hyperparameters={
             "global_batch_size": 16,
             "steps": steps,
             "lr": 0.1,
             "momentum": 0.9,
             "hidden_size": 16,
         },
-        "resources": {"nodes": nodes, "processes_per_node": ppn, "device": "cpu"},
-        "checkpoint": {"every_steps": 4, "keep_last": 3},
-        **extra,
-    }
+        resources={"nodes": nodes, "processes_per_node": ppn, "device": "cpu"},
+        checkpoint={"every_steps": 4, "keep_last": 3},
+    )
+    spec.update(extra)  # a section given here replaces the whole section
+    return spec
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,11 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from tests.api_fixtures import ADMIN_TOKEN
+from tests.conftest import job_spec
 from tests.e2e.helpers import ROOT
 from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.e2e
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -50,15 +53,14 @@ def browser() -> Iterator[Browser]:
 
 
 def _submit(stack: Stack, name: str, **hp: Any) -> str:
-    spec = {
-        "name": name,
-        "recipe": "mlp",
-        "hyperparameters": {"global_batch_size": 32, "lr": 0.05, "steps": 40, **hp},
-        "resources": {"processes_per_node": 2, "device": "cpu"},
-        "engine": {"log_every_steps": 1},
-        "checkpoint": {"every_steps": 20, "keep_last": 2},
-        "labels": {"suite": "dashboard"},
-    }
+    spec = job_spec(
+        name=name,
+        hyperparameters={"global_batch_size": 32, "lr": 0.05, "steps": 40, **hp},
+        resources={"processes_per_node": 2, "device": "cpu"},
+        engine={"log_every_steps": 1},
+        checkpoint={"every_steps": 20, "keep_last": 2},
+        labels={"suite": "dashboard"},
+    )
     r = stack.http.post("/v1/jobs", json=spec)
     assert r.status_code == 201, f"expected 201 for {name}, got {r.status_code}: {r.text}"
     return str(r.json()["id"])

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.e2e.helpers import Procs, clean_env, free_port, wait_healthy
+from tests.e2e.helpers import Procs, clean_env, wait_healthy
 from tests.e2e.scenario import run_mlp_scenario
 
+pytestmark = pytest.mark.e2e
 
-def test_dptrain_up_runs_a_job_with_no_servers(tmp_path: Path) -> None:
+
+def test_dptrain_up_runs_a_job_with_no_servers(tmp_path: Path, free_port: Callable[[], int]) -> None:
     home = tmp_path / "home"
     env = clean_env(DPTRAIN_HOME=str(home), DPTRAIN_REPORT_INTERVAL_SECONDS="0.2")
     procs = Procs(tmp_path)

@@ -17,25 +17,28 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.config import Settings
 from service.db import session_factory
 from service.dispatch import RUN_NODE_TASK, CeleryDispatcher, node_queue
+from tests.conftest import job_spec
 from tests.e2e.helpers import wait_for_terminal
 from tests.e2e.services import PrivatePostgres, PrivateRedis
 from tests.e2e.stack import Stack, running_stack
 from workers.procs import rank_processes
 
+pytestmark = pytest.mark.e2e
+
 STEPS = 30
 
 
 def _spec(name: str, **over: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "recipe": "mlp",
-        "hyperparameters": {"global_batch_size": 8, "steps": STEPS, "lr": 0.1, "hidden_size": 8},
-        "resources": {"processes_per_node": 2, "device": "cpu"},
-        "engine": {"log_every_steps": 1},
-        "checkpoint": {"every_steps": 5, "keep_last": 3},
-        "max_restarts": 1,
-        **over,
-    }
+    spec = job_spec(
+        name=name,
+        hyperparameters={"global_batch_size": 8, "steps": STEPS, "lr": 0.1, "hidden_size": 8},
+        resources={"processes_per_node": 2, "device": "cpu"},
+        engine={"log_every_steps": 1},
+        checkpoint={"every_steps": 5, "keep_last": 3},
+        max_restarts=1,
+    )
+    spec.update(over)  # a section given here replaces the whole section
+    return spec
 
 
 class Faulty:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from api_schemas import JobSpec
@@ -18,6 +19,8 @@ from tests.api_fixtures import ADMIN_TOKEN
 from tests.e2e.helpers import clean_env, wait_for_terminal
 from tests.e2e.scenario import SPEC, run_mlp_scenario
 from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.e2e
 
 
 def test_mlp_on_two_ranks_through_redis_and_postgres(stack: Stack) -> None:

@@ -11,6 +11,8 @@ import pytest
 from tests.e2e.scenario import run_mlp_scenario
 from tests.e2e.stack import running_stack
 
+pytestmark = pytest.mark.e2e
+
 AMQP_URL = os.environ.get("DPTRAIN_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -13,12 +12,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SPAWN_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple[Any, ...]) -> None:
@@ -42,8 +35,10 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
 
 def spawn_gloo(fn: Callable[..., None], world: int, *args: Any, timeout: float = SPAWN_TIMEOUT_S) -> None:
     """Run `fn(rank, world, *args)` on `world` spawned ranks of a gloo group; raise if any fails or hangs."""
+    from tests.conftest import free_port  # here, not at the top: the spawned ranks import this module
+
     ctx = mp.start_processes(
-        _entry, args=(fn, world, _free_port(), args), nprocs=world, join=False, start_method="spawn"
+        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn"
     )
     assert ctx is not None
     deadline = time.monotonic() + timeout

@@ -26,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from api_schemas import JobSpec
 from api_schemas.recipes import CnnBnParams, LstmLmParams, MlpParams
+from tests.conftest import job_spec
 from tests.engine.spawn import spawn_gloo
+from tests.engine_fixtures import Launches
 from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
@@ -57,21 +59,16 @@ def _assert_same(off: dict[str, torch.Tensor], on: dict[str, torch.Tensor], what
 # ---- mlp under torchrun: world 1 (fp32) and world 2 (bf16, accumulation 2) ---------------------------------
 
 
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any], equivalence_spec: dict[str, Any]) -> Callable[..., Any]:
-    """`launch(nproc, checkpointing, **engine)` -> the finished run, once per distinct argument set."""
-    cache: dict[str, Any] = {}
+@pytest.fixture
+def launch(launched: Launches, make_spec: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    """`launch(nproc, checkpointing, **engine)` -> the finished run, launched once per session."""
 
     def run(nproc: int, checkpointing: bool, **engine: Any) -> Any:
-        key = repr((nproc, checkpointing, sorted(engine.items())))
-        if key not in cache:
-            spec = copy.deepcopy(equivalence_spec)
-            spec["hyperparameters"].update(steps=STEPS, num_layers=NUM_LAYERS)
-            spec["engine"].update(activation_checkpointing=checkpointing, **engine)
-            result = module_engine_runner(spec, nproc)
-            assert result.returncode == 0, f"world {nproc} {engine}: expected exit 0\n{result.describe()}"
-            cache[key] = result
-        return cache[key]
+        spec = make_spec(
+            hyperparameters={"steps": STEPS, "num_layers": NUM_LAYERS},
+            engine={"activation_checkpointing": checkpointing, **engine},
+        )
+        return launched.torchrun(spec, nproc)
 
     return run
 
@@ -79,6 +76,7 @@ def launch(module_engine_runner: Callable[..., Any], equivalence_spec: dict[str,
 WORLD_2 = {"precision": "bf16", "grad_accumulation_steps": 2}
 
 
+@pytest.mark.e2e
 class TestMlpUnderTorchrun:
     @pytest.mark.parametrize(
         ("nproc", "engine"), [(1, {}), (2, WORLD_2)], ids=["world1", "world2-bf16-accum2"]
@@ -112,10 +110,9 @@ class TestMlpUnderTorchrun:
 
 
 def _spec(recipe: str, checkpointing: bool, **checkpoint: Any) -> dict[str, Any]:
-    return {
-        "name": "activation-checkpointing",
-        "recipe": recipe,
-        "hyperparameters": {
+    return job_spec(
+        recipe=recipe,
+        hyperparameters={
             "global_batch_size": 16,
             "lr": 0.05,
             "momentum": 0.9,
@@ -124,9 +121,9 @@ def _spec(recipe: str, checkpointing: bool, **checkpoint: Any) -> dict[str, Any]
             "seed": 99,
             "dataset_size": 64,
         },
-        "engine": {"log_every_steps": STEPS, "activation_checkpointing": checkpointing},
-        "checkpoint": {"every_steps": 100, "keep_last": 5, **checkpoint},
-    }
+        engine={"log_every_steps": STEPS, "activation_checkpointing": checkpointing},
+        checkpoint={"every_steps": 100, "keep_last": 5, **checkpoint},
+    )
 
 
 def _main(base: Path, name: str, spec: dict[str, Any], checkpoint_dir: Path | None = None) -> Path:
@@ -322,6 +319,7 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
+@pytest.mark.e2e
 def test_gradients_are_views_of_ddp_buckets_at_world_2(tmp_path: Path) -> None:
     spawn_gloo(_bucket_worker, 2, str(tmp_path))
     for rank in range(2):
@@ -336,6 +334,7 @@ def test_gradients_are_views_of_ddp_buckets_at_world_2(tmp_path: Path) -> None:
 # ---- the benchmark ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_benchmark_smoke_saves_less_for_backward(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from workers.engine.launch import ENGINE_MAIN, torchrun_command
 from workers.procs import rank_processes
 
@@ -74,6 +76,7 @@ def _events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
+@pytest.mark.e2e
 def test_forked_ranks_share_the_host_one_thread_each(tmp_path: Path, make_spec: Any) -> None:
     # No OMP_NUM_THREADS in the launcher's environment: torchrun sets 1 for ranks sharing a host
     # only after the warm agent loaded torch, so each forked rank must apply it itself.
@@ -86,6 +89,7 @@ def test_forked_ranks_share_the_host_one_thread_each(tmp_path: Path, make_spec: 
     assert any(e["type"] == "finished" for e in _events(run_dir, 0)), _events(run_dir, 0)
 
 
+@pytest.mark.e2e
 def test_sigterm_to_the_group_ends_forked_ranks_without_an_error(tmp_path: Path, make_spec: Any) -> None:
     # What a cancel does (procs.stop_group). Each forked rank leads a session of its own, as plain
     # torchrun's ranks do (a scheduling group of its own: main.own_session), so the group's SIGTERM
@@ -115,6 +119,7 @@ def test_sigterm_to_the_group_ends_forked_ranks_without_an_error(tmp_path: Path,
     assert rank_processes(job_id) == [], "no rank may outlive the signal"
 
 
+@pytest.mark.e2e
 def test_agent_takes_torchruns_command_line() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "workers.engine.agent", "--help"],

@@ -31,6 +31,7 @@ while True:
 ROUNDS = 10
 
 
+@pytest.mark.e2e
 def test_a_kill_during_checkpoint_writes_leaves_the_previous_one_intact(tmp_path: Path) -> None:
     rng = random.Random(5)
     directory = tmp_path / "ckpts"

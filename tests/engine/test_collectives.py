@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.engine.spawn import spawn_gloo
+from tests.engine_fixtures import Launches
 from workers.engine import collectives
 
 TOL = 1e-6
@@ -79,19 +79,10 @@ def _worker(rank: int, world_size: int, out_dir: str) -> None:
     # Nobody tears the group down while a peer may still be finishing the last ring exchange.
 
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
-    """Run every op once per world size (cached) and return each rank's saved results."""
-    cache: dict[int, list[dict[str, Any]]] = {}
-
-    def run(world_size: int) -> list[dict[str, Any]]:
-        if world_size not in cache:
-            out = tmp_path_factory.mktemp(f"collectives_w{world_size}")
-            spawn_gloo(_worker, world_size, str(out))
-            cache[world_size] = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
-        return cache[world_size]
-
-    return run
+@pytest.fixture
+def spawned(launched: Launches) -> Callable[[int], list[dict[str, Any]]]:
+    """`spawned(world_size)`: each rank's saved results, every op run once per world size and session."""
+    return lambda world_size: launched.gloo(_worker, world_size)
 
 
 def _reference(world_size: int, name: str, salt: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +105,7 @@ def _assert_close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= TOL, f"{what}: max abs error {err:.3g} > {TOL}\nexpected:\n{expected}\ngot:\n{got}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", sorted(_cases(2)))
 def test_matches_single_process_reference(
@@ -128,6 +120,7 @@ def test_matches_single_process_reference(
         assert res[name]["input_untouched"], f"{name} W={world_size} rank {rank}: the input was mutated"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_gather_unequal_shapes_raise_everywhere(
     spawned: Callable[[int], list[dict[str, Any]]], world_size: int

@@ -11,9 +11,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from tests.engine_fixtures import Launches
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
+
+pytestmark = pytest.mark.e2e  # torchrun at world 4, 2 and 1
 
 TOL = 1e-6
 
@@ -36,10 +40,10 @@ def _copy_checkpoint(src: Path, step: int, dst: Path) -> Path:
 
 
 def test_resume_on_another_world_size_equals_the_uninterrupted_run(
-    engine_runner: Any, make_spec: Any, tmp_path: Path
+    launched: Launches, engine_runner: Any, make_spec: Any, tmp_path: Path
 ) -> None:
     spec = make_spec(hyperparameters={"steps": 8}, checkpoint={"every_steps": 4, "keep_last": 3})
-    full = engine_runner(spec, 2)
+    full = launched.torchrun(spec, 2)  # the same run as tests/engine/test_resume.py's
     assert full.returncode == 0, f"uninterrupted world 2: expected rc 0\n{full.describe()}"
     want = full.checkpoint(8)
 

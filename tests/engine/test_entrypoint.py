@@ -8,6 +8,8 @@ import pytest
 
 from workers.engine.recipes import load_entrypoint
 
+pytestmark = pytest.mark.e2e  # every test launches the engine under torchrun
+
 ALLOWED = {"DPTRAIN_ALLOWED_ENTRYPOINTS": "examples"}
 
 

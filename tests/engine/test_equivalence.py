@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from workers.engine.config import BASE_HYPERPARAMETERS
 from workers.engine.recipes import RECIPES
+
+pytestmark = pytest.mark.e2e  # both tests read the equivalence runs (torchrun)
 
 TOLERANCE = 1e-6
 

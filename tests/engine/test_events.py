@@ -33,6 +33,7 @@ from workers.engine.recipes import RECIPES, plan_params
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_event_stream(equivalence_runs: dict[int, Any], equivalence_spec: dict[str, Any], world: int) -> None:
     run = equivalence_runs[world]
@@ -96,6 +97,7 @@ def test_fault_parser() -> None:
         parse_fault("raise:when=3")
 
 
+@pytest.mark.e2e
 def test_launch_helper_does_not_import_torch() -> None:
     code = (
         "import sys; from workers.engine.launch import torchrun_command as t; "

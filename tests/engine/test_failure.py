@@ -6,6 +6,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # torchrun, and a look at what it left running
+
 
 def _processes_mentioning(text: str) -> list[str]:
     found = []

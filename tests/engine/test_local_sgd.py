@@ -17,7 +17,7 @@ import torch
 from pydantic import ValidationError
 
 from api_schemas import EngineOptions, JobSpec
-from tests.engine.spawn import spawn_gloo
+from tests.engine_fixtures import Launches
 from workers.engine import distributed as D
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.local_sgd import averages_after
@@ -36,22 +36,10 @@ AVERAGING_ITERS = {5, 8}
 LOCAL_ITERS = {3, 4, 6, 7}
 
 
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any]) -> Callable[..., Any]:
-    """`launch(spec, nproc)` -> the finished run, launched once per distinct (spec, nproc) in this module."""
-    cache: dict[str, Any] = {}
-
-    def run(spec: dict[str, Any], nproc: int) -> Any:
-        key = json.dumps([spec, nproc], sort_keys=True)
-        if key not in cache:
-            result = module_engine_runner(spec, nproc)
-            assert result.returncode == 0, (
-                f"world {nproc} {spec['engine']}: expected exit 0\n{result.describe()}"
-            )
-            cache[key] = result
-        return cache[key]
-
-    return run
+@pytest.fixture
+def launch(launched: Launches) -> Callable[..., Any]:
+    """`launch(spec, nproc)` -> the finished run, launched once per session."""
+    return launched.torchrun
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -59,6 +47,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.mark.e2e
 class TestPeriodOne:
     """`local_sgd_period: 1` averages after every step: the same update as allreduce mode."""
 
@@ -87,6 +76,7 @@ class TestPeriodOne:
         assert diff <= TOLERANCE, f"expected max |param diff| <= {TOLERANCE}, got {diff:.3g}"
 
 
+@pytest.mark.e2e
 class TestResume:
     """A job resumed from a checkpoint at an averaging step continues the same schedule."""
 
@@ -100,7 +90,7 @@ class TestResume:
         self,
         launch: Callable[..., Any],
         make_spec: Callable[..., Any],
-        module_engine_runner: Callable[..., Any],
+        engine_runner: Callable[..., Any],
         tmp_path: Path,
     ) -> None:
         full = launch(make_spec(hyperparameters=self.HP, engine=self.ENGINE, checkpoint=self.CKPT), WORLD)
@@ -112,7 +102,7 @@ class TestResume:
         for path in (src, CheckpointManager.sidecar_for(src)):
             shutil.copy(path, fresh / path.name)
         spec = json.loads((full.run_dir / "spec.json").read_text())
-        resumed = module_engine_runner(spec, WORLD, checkpoint_dir=fresh)
+        resumed = engine_runner(spec, WORLD, checkpoint_dir=fresh)
         assert resumed.returncode == 0, f"resumed run: expected exit 0\n{resumed.describe()}"
         started = [e["start_iter"] for e in resumed.events(0) if e["type"] == "started"]
         assert started == [5], f"expected one start at iter 5, got {started}"
@@ -171,14 +161,13 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[list[torch.Tensor]]]]:
-    """Each rank's parameters after every step, per case."""
-    out = tmp_path_factory.mktemp("local_sgd_spawn")
-    spawn_gloo(_worker, WORLD, str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+@pytest.fixture
+def spawned(launched: Launches) -> list[dict[str, list[list[torch.Tensor]]]]:
+    """Each rank's parameters after every step, per case (spawned once per session)."""
+    return launched.gloo(_worker, WORLD)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", list(SPAWN_CASES))
 def test_replicas_are_equal_exactly_after_warmup_and_averaging_steps(
     spawned: list[dict[str, list[list[torch.Tensor]]]], case: str

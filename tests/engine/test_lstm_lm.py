@@ -56,6 +56,7 @@ def _losses(run: Any) -> dict[int, float]:
     return {e["step"]: e["values"]["loss"] for e in run.events(0) if e["type"] == "metrics"}
 
 
+@pytest.mark.e2e
 def test_same_result_at_any_world_size(
     engine_runner: Callable[..., Any], make_spec: Callable[..., dict[str, Any]]
 ) -> None:

@@ -245,6 +245,7 @@ def _trainer_worker(rank: int, world: int, out_dir: str) -> None:
     torch.save({"flushes": flushes, "reference": reference, "local": local}, out / f"rank{rank}.pt")
 
 
+@pytest.mark.e2e
 def test_world2_logs_each_steps_global_mean_with_windows_agreed_by_all_ranks(tmp_path: Path) -> None:
     spawn_gloo(_trainer_worker, 2, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
@@ -269,6 +270,7 @@ def test_world2_logs_each_steps_global_mean_with_windows_agreed_by_all_ranks(tmp
     assert _events(tmp_path / "rank1.jsonl") == [], "rank 1 writes no events on success"
 
 
+@pytest.mark.e2e
 def test_torchrun_world2_reports_every_step_like_world1(engine_runner: Any, make_spec: Any) -> None:
     spec = make_spec(
         hyperparameters={"steps": 12},

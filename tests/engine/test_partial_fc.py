@@ -19,6 +19,7 @@ from torch import nn
 
 from api_schemas.recipes import PartialFcParams
 from tests.engine.spawn import spawn_gloo
+from tests.engine_fixtures import Launches
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.recipes import partial_fc
 from workers.engine.sharding import shard_range
@@ -50,22 +51,13 @@ def _momentum(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {str(k): v["momentum_buffer"] for k, v in ckpt["optimizer"]["state"].items()}
 
 
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any]) -> Callable[..., Any]:
-    """`launch(spec, nproc, **kw)` -> the finished run, once per distinct argument set."""
-    cache: dict[str, Any] = {}
-
-    def run(spec: dict[str, Any], nproc: int, **kw: Any) -> Any:
-        key = repr((spec, nproc, sorted(kw.items())))
-        if key not in cache:
-            result = module_engine_runner(spec, nproc, **kw)
-            assert result.returncode == 0, f"world {nproc}: expected exit 0\n{result.describe()}"
-            cache[key] = result
-        return cache[key]
-
-    return run
+@pytest.fixture
+def launch(launched: Launches) -> Callable[..., Any]:
+    """`launch(spec, nproc)` -> the finished run, launched once per session."""
+    return launched.torchrun
 
 
+@pytest.mark.e2e
 def test_same_result_at_any_world_size(launch: Callable[..., Any], make_spec: Any) -> None:
     spec = _spec(make_spec)
     finals = {w: launch(spec, w).checkpoint(STEPS) for w in (1, 2, 4)}
@@ -90,8 +82,9 @@ def test_same_result_at_any_world_size(launch: Callable[..., Any], make_spec: An
     model.load_state_dict(finals[4]["model"])  # a world-4 checkpoint is a plain, whole model
 
 
+@pytest.mark.e2e
 def test_elastic_resume_reshards_the_checkpoint(
-    launch: Callable[..., Any], make_spec: Any, tmp_path: Path
+    launch: Callable[..., Any], engine_runner: Callable[..., Any], make_spec: Any, tmp_path: Path
 ) -> None:
     spec = _spec(make_spec)
     want = launch(spec, 1).checkpoint(STEPS)
@@ -103,7 +96,8 @@ def test_elastic_resume_reshards_the_checkpoint(
         ckpt = src / checkpoint_name(4)
         for path in (ckpt, CheckpointManager.sidecar_for(ckpt)):
             shutil.copy(path, ckpt_dir / path.name)
-        run = launch(spec, world, checkpoint_dir=ckpt_dir)
+        run = engine_runner(spec, world, checkpoint_dir=ckpt_dir)
+        assert run.returncode == 0, f"world {world}: expected exit 0\n{run.describe()}"
         assert [e["start_iter"] for e in run.events(0) if e["type"] == "started"] == [4], run.describe()
         resumed[world] = run.checkpoint(STEPS)
     for world, got in resumed.items():
@@ -114,6 +108,7 @@ def test_elastic_resume_reshards_the_checkpoint(
         )
 
 
+@pytest.mark.e2e
 def test_clipping_sums_the_shards_norms_across_ranks(launch: Callable[..., Any], make_spec: Any) -> None:
     spec = _spec(make_spec)
     spec["engine"]["grad_clip_norm"] = 0.05
@@ -187,6 +182,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loss_and_gradients_equal_one_full_classifier(world: int, tmp_path: Path) -> None:
     spawn_gloo(_worker, world, str(tmp_path))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from api_schemas import EngineOptions, JobSpec
+from tests.engine_fixtures import Launches
 
 FP32_TOLERANCE = 1e-6  # same bound as test_equivalence: only reduction order differs
 # bf16 keeps ~3 significant digits; world 2 rounds two half-batch weight gradients to bf16 where world 1
@@ -21,28 +21,10 @@ BF16_TOLERANCE = 1e-3
 CLIP_NORM = 0.05  # well under the mlp's ~0.5-2 gradient norm, so every step clips
 
 
-def _run(
-    runner: Callable[..., Any],
-    base: dict[str, Any],
-    cache: dict[tuple[int, str], Any],
-    nproc: int,
-    **engine: Any,
-) -> Any:
-    key = (nproc, repr(sorted(engine.items())))
-    if key not in cache:
-        spec = copy.deepcopy(base)
-        spec["engine"].update(engine)
-        run = runner(spec, nproc)
-        assert run.returncode == 0, f"world {nproc} {engine}: expected torchrun to exit 0\n{run.describe()}"
-        cache[key] = run
-    return cache[key]
-
-
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any], equivalence_spec: dict[str, Any]) -> Callable[..., Any]:
-    """`launch(nproc, **engine)` runs the equivalence job once per distinct argument set."""
-    cache: dict[tuple[int, str], Any] = {}
-    return lambda nproc, **engine: _run(module_engine_runner, equivalence_spec, cache, nproc, **engine)
+@pytest.fixture
+def launch(launched: Launches, make_spec: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    """`launch(nproc, **engine)`: the equivalence job with these engine options, launched once per session."""
+    return lambda nproc, **engine: launched.torchrun(make_spec(engine=engine), nproc)
 
 
 def _params(run: Any) -> dict[str, torch.Tensor]:
@@ -59,6 +41,7 @@ def _metrics(run: Any, name: str) -> dict[int, float]:
     return {e["step"]: e["values"][name] for e in run.events(0) if e["type"] == "metrics"}
 
 
+@pytest.mark.e2e
 def test_accumulation_at_world_2_matches_world_1(launch: Callable[..., Any]) -> None:
     ref, accum = launch(1), launch(2, grad_accumulation_steps=2)
     diff = _max_diff(_params(accum), _params(ref))
@@ -70,6 +53,7 @@ def test_accumulation_at_world_2_matches_world_1(launch: Callable[..., Any]) -> 
         assert abs(got_loss[step] - loss) <= 1e-5, f"step {step}: expected loss {loss}, got {got_loss[step]}"
 
 
+@pytest.mark.e2e
 def test_clipping_matches_across_world_sizes_and_clips(launch: Callable[..., Any]) -> None:
     one, two = launch(1, grad_clip_norm=CLIP_NORM), launch(2, grad_clip_norm=CLIP_NORM)
     for w, run in ((1, one), (2, two)):
@@ -90,6 +74,7 @@ def test_clipping_matches_across_world_sizes_and_clips(launch: Callable[..., Any
     )
 
 
+@pytest.mark.e2e
 def test_bf16_matches_across_world_sizes_and_differs_from_fp32(launch: Callable[..., Any]) -> None:
     one, two = launch(1, precision="bf16"), launch(2, precision="bf16")
     diff = _max_diff(_params(two), _params(one))

@@ -10,31 +10,17 @@ from typing import Any
 import pytest
 import torch
 
+from tests.engine_fixtures import Launches, assert_bitwise_equal
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.main import main
 
 
-def _assert_equal(a: Any, b: Any, where: str) -> None:
-    """Recursive torch.equal over checkpoint structures."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where}: expected bitwise-equal tensors"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: expected keys {sorted(a)}, got {b!r}"
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: expected {a!r}, got {b!r}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: expected {a!r}, got {b!r}"
-
-
+@pytest.mark.e2e
 def test_resume_is_bitwise_exact(
-    engine_runner: Any, make_spec: Any, tmp_path: Path, monkeypatch: Any
+    launched: Launches, engine_runner: Any, make_spec: Any, tmp_path: Path, monkeypatch: Any
 ) -> None:
     spec = make_spec(hyperparameters={"steps": 8}, checkpoint={"every_steps": 4, "keep_last": 3})
-    full = engine_runner(spec, 2)
+    full = launched.torchrun(spec, 2)  # tests/engine/test_elastic.py resumes from it too
     assert full.returncode == 0, f"uninterrupted run: expected rc 0\n{full.describe()}"
     ckpts = [e["step"] for e in full.events(0) if e["type"] == "checkpoint"]
     assert ckpts == [4, 8], f"expected checkpoints at steps [4, 8], got {ckpts}"
@@ -52,7 +38,7 @@ def test_resume_is_bitwise_exact(
     want, got = full.checkpoint(8), resumed.checkpoint(8)
     assert got["iter"] == 8, f"expected iter 8, got {got['iter']}"
     for key in ("model", "optimizer", "iter", "world_size"):
-        _assert_equal(want[key], got[key], key)
+        assert_bitwise_equal(want[key], got[key], key)
 
     # Elastic: the world-2 checkpoint also resumes at world 1 (in-process, no torchrun) to the same
     # result up to float reassociation, and a finished job re-run is a no-op that exits cleanly.

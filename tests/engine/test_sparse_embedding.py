@@ -20,7 +20,8 @@ from torch import nn
 
 from api_schemas import JobSpec
 from api_schemas.recipes import SparseEmbeddingParams
-from tests.engine.spawn import spawn_gloo
+from tests.conftest import ENGINE_JOB, job_spec
+from tests.engine_fixtures import Launches
 from workers.engine import distributed as D
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.data import GlobalBatchSampler, TensorDataset
@@ -40,39 +41,21 @@ TABLE = "embedding.weight"
 
 
 def _spec(**engine: Any) -> dict[str, Any]:
-    return {
-        "name": "sparse-test",
-        "recipe": "sparse_embedding",
-        "hyperparameters": {
-            "global_batch_size": 32,
-            "lr": 0.05,
-            "momentum": 0.9,
-            "weight_decay": 1e-4,
-            "steps": STEPS,
-            "seed": SEED,
-            "dataset_size": 256,
-        },
-        "resources": {"nodes": 1, "processes_per_node": 1, "device": "cpu"},
+    return job_spec(
+        ENGINE_JOB,
+        name="sparse-test",
+        recipe="sparse_embedding",
+        hyperparameters={"steps": STEPS, "seed": SEED, "dataset_size": 256},
         # Clipping on, below the gradient norm (~0.25), so the sparse-aware clip really scales.
-        "engine": {"log_every_steps": 1, "collective_timeout_seconds": 60, "grad_clip_norm": 0.2, **engine},
-        "checkpoint": {"every_steps": 100, "keep_last": 1},
-    }
+        engine={"log_every_steps": 1, "grad_clip_norm": 0.2, **engine},
+        checkpoint={"keep_last": 1},
+    )
 
 
-@pytest.fixture(scope="module")
-def launch(module_engine_runner: Callable[..., Any]) -> Callable[..., Any]:
-    """`launch(nproc, **engine)` -> the finished run, once per distinct argument set."""
-    cache: dict[str, Any] = {}
-
-    def run(nproc: int, **engine: Any) -> Any:
-        key = repr((nproc, sorted(engine.items())))
-        if key not in cache:
-            result = module_engine_runner(_spec(**engine), nproc)
-            assert result.returncode == 0, f"world {nproc} {engine}: expected exit 0\n{result.describe()}"
-            cache[key] = result
-        return cache[key]
-
-    return run
+@pytest.fixture
+def launch(launched: Launches) -> Callable[..., Any]:
+    """`launch(nproc, **engine)` -> the finished run, launched once per session."""
+    return lambda nproc, **engine: launched.torchrun(_spec(**engine), nproc)
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -80,6 +63,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("world", "engine"), [(2, {}), (4, {}), (2, {"grad_accumulation_steps": 2})], ids=["2", "4", "2-accum2"]
 )
@@ -93,6 +77,7 @@ def test_world_sizes_end_at_the_same_parameters(
     assert diff <= TOLERANCE, f"expected max |param diff| <= {TOLERANCE} vs world 1, got {diff:.3g}"
 
 
+@pytest.mark.e2e
 def test_loss_falls_and_only_touched_rows_move(launch: Callable[..., Any]) -> None:
     run = launch(1)
     losses = [e["values"]["loss"] for e in run.events(0) if e["type"] == "metrics"]
@@ -107,6 +92,7 @@ def test_loss_falls_and_only_touched_rows_move(launch: Callable[..., Any]) -> No
     assert 0 < moved < rows, f"expected sparse updates to move some but not all {rows} rows, got {moved}"
 
 
+@pytest.mark.e2e
 def test_allgather_equals_dense_sync(launch: Callable[..., Any]) -> None:
     gathered = launch(WORLD).checkpoint(STEPS)["model"]
     dense = launch(WORLD, sparse="dense").checkpoint(STEPS)["model"]
@@ -243,12 +229,10 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Each rank's saved results."""
-    out = tmp_path_factory.mktemp("sparse_spawn")
-    spawn_gloo(_worker, WORLD, str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+@pytest.fixture
+def spawned(launched: Launches) -> list[dict[str, Any]]:
+    """Each rank's saved results (spawned once per session)."""
+    return launched.gloo(_worker, WORLD)
 
 
 def _close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -257,6 +241,7 @@ def _close(what: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= TOLERANCE, f"{what}: expected max abs error <= {TOLERANCE}, got {err:.3g}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["allgather", "dense"])
 def test_sync_averages_rows_only_some_ranks_touched(spawned: list[dict[str, Any]], mode: str) -> None:
     expected = torch.zeros(10, 3)
@@ -274,6 +259,7 @@ def test_sync_averages_rows_only_some_ranks_touched(spawned: list[dict[str, Any]
         assert res[f"{mode}_all_none"] is None, f"{mode}: expected None when no rank has a gradient"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["allgather", "dense"])
 def test_a_trainer_step_gives_every_rank_the_full_batch_gradient(
     spawned: list[dict[str, Any]], mode: str
@@ -302,6 +288,7 @@ def test_a_trainer_step_gives_every_rank_the_full_batch_gradient(
             _close(f"{mode} rank {rank} grad {name}", got, full)
 
 
+@pytest.mark.e2e
 def test_non_data_parallel_parameter_keeps_each_rank_own_gradient(spawned: list[dict[str, Any]]) -> None:
     cfg = _cfg(False, grad_clip_norm=None)
     t = cfg.hyperparameters

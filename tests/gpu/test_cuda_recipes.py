@@ -6,24 +6,29 @@ CI has no GPU, so these skip there; run them on a GPU host with `pytest tests/gp
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from api_schemas import RECIPES
-from tests.engine.conftest import make_spec, run_engine
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.e2e,  # torchrun
+]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_recipe_trains_on_cuda(recipe: str, precision: str, tmp_path: Path) -> None:
+def test_recipe_trains_on_cuda(
+    recipe: str, precision: str, make_spec: Callable[..., dict[str, Any]], engine_runner: Callable[..., Any]
+) -> None:
     spec = make_spec(engine={"precision": precision}, resources={"device": "cuda"})
     spec["recipe"] = recipe
     spec["hyperparameters"] = {k: v for k, v in spec["hyperparameters"].items() if k != "hidden_size"}
-    run = run_engine(tmp_path, spec, 1)
+    run = engine_runner(spec, 1)
     assert run.returncode == 0, run.describe()
     started = next(e for e in run.events(0) if e["type"] == "started")
     assert started["device"] == "cuda", started

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +20,22 @@ from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, repository
 from service.models.base import utcnow
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.conftest import create_database, drop_database
-from tests.jobs.test_router import SPEC
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler
 
 
 @pytest.fixture
-def live(tmp_path: Path) -> Iterator[tuple[httpx.Client, sessionmaker[Session]]]:
-    """A uvicorn server on its own committed database (a stream polls from other threads)."""
-    url = create_database("dptrain_sse")
+def live(
+    own_database: str, tmp_path: Path, free_port: Callable[[], int]
+) -> Iterator[tuple[httpx.Client, sessionmaker[Session]]]:
+    """A uvicorn server (a thread) on a committed database: a stream polls from other threads."""
     settings = Settings(
-        database_url=url,
+        database_url=own_database,
         broker_url="memory://",
         artifact_root=tmp_path / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
         sse_poll_seconds=0.05,
     )
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(settings, scheduler=RecordingScheduler()), port=port, log_level="warning")
     )
@@ -65,7 +57,6 @@ def live(tmp_path: Path) -> Iterator[tuple[httpx.Client, sessionmaker[Session]]]
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        drop_database(url)
 
 
 def _events(response: httpx.Response) -> Iterator[tuple[int, str, Any]]:

@@ -20,20 +20,17 @@ from service.app import create_app
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, repository, service
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.conftest import create_database, drop_database
-from tests.jobs.test_router import SPEC
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     """A database of its own, where every request commits (and reads autocommit), as in production."""
-    url = create_database("dptrain_hot")
     tmp = tmp_path_factory.mktemp("hot")
-    yield Settings(
-        database_url=url,
+    return Settings(
+        database_url=own_database,
         broker_url="memory://",
         artifact_root=tmp / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
@@ -41,7 +38,6 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
         # The database path of every poll; tests/jobs/test_poll_cache.py covers the job cache.
         poll_cache=False,
     )
-    drop_database(url)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from service.jobs.metrics_repository import downsample
 from service.models import Metric
-from tests.jobs.test_router import _submit
+from tests.api_fixtures import submit
 
 
 def _series(n: int, *, seed: int = 0) -> list[tuple[int, float]]:
@@ -25,7 +25,7 @@ def _store(db: Session, job_id: str, name: str, points: list[tuple[int, float]])
 
 class TestDownsampling:
     def test_bounds_min_max_and_order(self, client: TestClient, db: Session) -> None:
-        jid = _submit(client)["id"]
+        jid = submit(client)["id"]
         loss = _series(2000)
         _store(db, jid, "loss", loss)
         _store(db, jid, "lr", [(s, 0.1) for s in range(1, 41)])
@@ -41,7 +41,7 @@ class TestDownsampling:
         assert got["lr"] == [[s, 0.1] for s in range(1, 41)], "a series under the limit comes back untouched"
 
     def test_postgresql_and_python_paths_agree(self, client: TestClient, db: Session) -> None:
-        jid = _submit(client)["id"]
+        jid = submit(client)["id"]
         points = _series(1003, seed=3)
         # An odd step spacing and a re-reported step (the later attempt's value wins).
         points = [(s * 3 + 7, v) for s, v in points]
@@ -56,7 +56,7 @@ class TestDownsampling:
             )
 
     def test_since_step_applies_before_downsampling(self, client: TestClient, db: Session) -> None:
-        jid = _submit(client)["id"]
+        jid = submit(client)["id"]
         _store(db, jid, "loss", _series(500))
         got = client.get(f"/v1/jobs/{jid}/metrics", params={"since_step": 400, "max_points": 10}).json()
         steps = [s for s, _ in got["series"]["loss"]]

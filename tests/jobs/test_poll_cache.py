@@ -19,9 +19,7 @@ from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, repository, service
 from service.jobs.poll_cache import APPLICATION_NAME, JobPollCache
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler, add_user, as_user
-from tests.conftest import create_database, drop_database
-from tests.jobs.test_router import SPEC
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler, add_user, as_user
 
 # ---- the rules --------------------------------------------------------------------------------
 
@@ -96,16 +94,15 @@ def test_entries_expire_and_the_size_is_bounded(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    url = create_database("dptrain_pollcache")
-    yield Settings(
-        database_url=url,
+def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    # Committed changes, so PostgreSQL notifies them to the cache's LISTEN connection.
+    return Settings(
+        database_url=own_database,
         broker_url="memory://",
         artifact_root=tmp_path_factory.mktemp("pollcache") / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
         poll_cache=True,
     )
-    drop_database(url)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobStatus
 from service.jobs import lifecycle, repository
 from service.models import Job, LogLine
-from tests.jobs.test_router import _submit
+from tests.api_fixtures import submit
 
 
 def _claim(sessions: sessionmaker[Session], job_id: str) -> str:
@@ -23,7 +23,7 @@ def _claim(sessions: sessionmaker[Session], job_id: str) -> str:
 
 class TestETag:
     def test_job_answers_304_until_it_changes(self, client: TestClient) -> None:
-        job = _submit(client)
+        job = submit(client)
         r = client.get(f"/v1/jobs/{job['id']}")
         etag = r.headers.get("etag")
         assert r.status_code == 200 and etag, f"expected 200 with an ETag, got {r.status_code} {r.headers}"
@@ -39,7 +39,7 @@ class TestETag:
     def test_list_answers_304_until_a_job_on_the_page_changes(
         self, client: TestClient, sessions: sessionmaker[Session]
     ) -> None:
-        job = _submit(client)
+        job = submit(client)
         first = client.get("/v1/jobs")
         etag = first.headers["etag"]
         assert client.get("/v1/jobs", headers={"If-None-Match": f'"other", W/{etag}'}).status_code == 304, (
@@ -65,7 +65,7 @@ class TestETag:
 
 class TestListFilters:
     def test_updated_since_returns_only_later_updates(self, client: TestClient, db: Session) -> None:
-        old, new = _submit(client, name="old"), _submit(client, name="new")
+        old, new = submit(client, name="old"), submit(client, name="new")
         row = db.get(Job, old["id"])
         assert row is not None
         submitted = row.updated_at
@@ -83,9 +83,9 @@ class TestListFilters:
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "updated_since"]
 
     def test_label_filter_needs_every_label(self, client: TestClient) -> None:
-        both = _submit(client, labels={"team": "vision", "tier": "gold"})
-        _submit(client, labels={"team": "vision"})
-        _submit(client, labels={"team": "nlp", "tier": "gold"})
+        both = submit(client, labels={"team": "vision", "tier": "gold"})
+        submit(client, labels={"team": "vision"})
+        submit(client, labels={"team": "nlp", "tier": "gold"})
         r = client.get("/v1/jobs", params=[("label", "team=vision"), ("label", "tier=gold")])
         ids = [j["id"] for j in r.json()["items"]]
         assert ids == [both["id"]], f"expected only the job with both labels, got {ids}"
@@ -95,7 +95,7 @@ class TestListFilters:
 
 
 def test_timeline_lists_status_changes_in_order(client: TestClient, sessions: sessionmaker[Session]) -> None:
-    job = _submit(client)
+    job = submit(client)
     token = _claim(sessions, job["id"])
     with sessions.begin() as s:
         lifecycle.transition(
@@ -110,7 +110,7 @@ def test_timeline_lists_status_changes_in_order(client: TestClient, sessions: se
 
 
 def test_log_tail_and_cursor(client: TestClient, db: Session) -> None:
-    jid = _submit(client)["id"]
+    jid = submit(client)["id"]
     db.add_all([LogLine(job_id=jid, attempt=1, rank=i % 2, line=f"line {i}") for i in range(10)])
     db.commit()
     page = client.get(f"/v1/jobs/{jid}/logs", params={"tail": 3}).json()

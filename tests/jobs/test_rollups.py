@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from migrations import upgrade
-from service.app import create_app
-from service.config import Settings
 from service.jobs import downsample_repository, repository, rollups_repository
 from service.jobs.metrics_repository import bucket_of, downsample, max_metric_id, metric_series
 from service.models import Job, Metric, MetricRollup
 from service.models.base import utcnow
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.jobs.test_router import _submit
+from tests.api_fixtures import submit
 
 Batch = list[tuple[int, float]]
 
@@ -105,7 +99,7 @@ def test_rollup_query_equals_the_raw_computation(
     client: TestClient, db: Session, seed: int, spacing: int
 ) -> None:
     rng = random.Random(seed)
-    job_id = _submit(client)["id"]
+    job_id = submit(client)["id"]
     final = _ingest(
         db, job_id, "loss", _batches(rng, points=12_000, spacing=spacing, start=rng.randrange(50))
     )
@@ -120,7 +114,7 @@ def test_rows_are_what_a_rebuild_from_the_raw_points_gives(
     client: TestClient, db: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(11)
-    job_id = _submit(client)["id"]
+    job_id = submit(client)["id"]
     for name, spacing in (("loss", 1), ("lr", 3), ("eval", 250)):
         _ingest(db, job_id, name, _batches(rng, points=6_000, spacing=spacing))
 
@@ -143,7 +137,7 @@ def test_rows_are_what_a_rebuild_from_the_raw_points_gives(
 
 def test_up_to_id_leaves_out_later_points_even_inside_rollups(client: TestClient, db: Session) -> None:
     rng = random.Random(5)
-    job_id = _submit(client)["id"]
+    job_id = submit(client)["id"]
     final = _ingest(db, job_id, "loss", _batches(rng, points=8_000, spacing=1))
     top = max_metric_id(db, job_id=job_id)
     # Later points: new steps, and rewritten old ones (with values that would win every bucket).
@@ -161,7 +155,7 @@ def test_up_to_id_leaves_out_later_points_even_inside_rollups(client: TestClient
 def test_points_written_without_rollups_are_read_raw(client: TestClient, db: Session) -> None:
     """Points from before the rollups (or written in bulk): a missing row is read from the points."""
     rng = random.Random(9)
-    job_id = _submit(client)["id"]
+    job_id = submit(client)["id"]
     old = [(s, round(rng.gauss(0, 1), 1)) for s in range(0, 6_000)]
     db.add_all([Metric(job_id=job_id, attempt=1, name="loss", step=s, value=v) for s, v in old])
     db.flush()
@@ -170,7 +164,7 @@ def test_points_written_without_rollups_are_read_raw(client: TestClient, db: Ses
 
 
 def test_purge_deletes_the_rollups_with_the_points(client: TestClient, db: Session) -> None:
-    job_id = _submit(client)["id"]
+    job_id = submit(client)["id"]
     _ingest(db, job_id, "loss", [[(s, float(s)) for s in range(100)]])
     db.query(Job).filter_by(id=job_id).update(
         {"status": "succeeded", "finished_at": utcnow() - timedelta(days=9)}
@@ -184,17 +178,8 @@ def test_purge_deletes_the_rollups_with_the_points(client: TestClient, db: Sessi
 
 
 @pytest.fixture
-def sqlite_sessions(tmp_path: Path) -> Iterator[tuple[TestClient, sessionmaker[Session]]]:
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
-        broker_url="memory://",
-        artifact_root=tmp_path / "artifacts",
-        bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
-    )
-    upgrade(settings.database_url)
-    app = create_app(settings, scheduler=RecordingScheduler())
-    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
-        yield c, c.app.state.session_factory  # type: ignore[attr-defined]
+def sqlite_sessions(sqlite_client: TestClient) -> tuple[TestClient, sessionmaker[Session]]:
+    return sqlite_client, sqlite_client.app.state.session_factory  # type: ignore[attr-defined]
 
 
 def test_rollup_query_equals_the_raw_computation_on_sqlite(
@@ -202,7 +187,7 @@ def test_rollup_query_equals_the_raw_computation_on_sqlite(
 ) -> None:
     client, sessions = sqlite_sessions
     rng = random.Random(21)
-    job_id = _submit(client)["id"]
+    job_id = submit(client)["id"]
     with sessions.begin() as s:
         final = _ingest(s, job_id, "loss", _batches(rng, points=10_000, spacing=2))
     with sessions() as s:
@@ -223,7 +208,7 @@ def test_a_dense_series_is_answered_by_one_statement(
 ) -> None:
     """Every bucket of a series written through ingest finds all its rows: no bucket is redone."""
     rng = random.Random(13)
-    job_id = _submit(client)["id"]
+    job_id = submit(client)["id"]
     final = _ingest(db, job_id, "loss", _batches(rng, points=20_000, spacing=1, start=16))
     redone: list[object] = []
     general = downsample_repository._by_ranges

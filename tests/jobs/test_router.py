@@ -11,29 +11,15 @@ from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric
-from tests.api_fixtures import RecordingScheduler
+from tests.api_fixtures import SPEC, RecordingScheduler, submit
 from workers.engine.checkpoint import checkpoint_name
-
-SPEC: dict[str, Any] = {
-    "name": "mlp-smoke",
-    "recipe": "mlp",
-    "hyperparameters": {"global_batch_size": 8, "steps": 4, "hidden_size": 16},
-    "resources": {"processes_per_node": 2},
-    "labels": {"team": "vision"},
-}
-
-
-def _submit(client: TestClient, **over: Any) -> dict[str, Any]:
-    r = client.post("/v1/jobs", json={**SPEC, **over})
-    assert r.status_code == 201, r.text
-    return dict(r.json())
 
 
 class TestSubmit:
     def test_submit_stores_a_queued_job_and_kicks_placement_after_commit(
         self, client: TestClient, scheduler: RecordingScheduler, db: Session
     ) -> None:
-        job = _submit(client)
+        job = submit(client)
         assert job["status"] == "queued"
         assert job["owner"] == "admin"
         assert job["progress"] == {"step": 0, "total_steps": 4}
@@ -47,7 +33,7 @@ class TestSubmit:
         assert [(t.from_status, t.to_status) for t in timeline] == [(None, "queued")]
 
     def test_get_and_unknown_job(self, client: TestClient) -> None:
-        job = _submit(client)
+        job = submit(client)
         r = client.get(f"/v1/jobs/{job['id']}")
         assert r.status_code == 200 and r.json()["id"] == job["id"]
         r = client.get("/v1/jobs/doesnotexist")
@@ -66,7 +52,7 @@ class TestSubmit:
 
 class TestList:
     def test_newest_first_with_keyset_cursor(self, client: TestClient) -> None:
-        ids = [_submit(client, name=f"j{i}")["id"] for i in range(5)]
+        ids = [submit(client, name=f"j{i}")["id"] for i in range(5)]
         seen: list[str] = []
         cursor = None
         while True:
@@ -81,9 +67,9 @@ class TestList:
         assert seen == list(reversed(ids)), "pages must cover every job once, newest first"
 
     def test_status_filter_and_bad_cursor(self, client: TestClient) -> None:
-        a = _submit(client)
+        a = submit(client)
         client.post(f"/v1/jobs/{a['id']}/cancel")
-        _submit(client)
+        submit(client)
         page = client.get("/v1/jobs", params={"status": "cancelled"}).json()
         assert [j["id"] for j in page["items"]] == [a["id"]]
         r = client.get("/v1/jobs", params={"cursor": "!!notacursor"})
@@ -94,7 +80,7 @@ class TestList:
 
 class TestCancel:
     def test_queued_job_is_cancelled_at_once_and_twice_is_409(self, client: TestClient) -> None:
-        job = _submit(client)
+        job = submit(client)
         r = client.post(f"/v1/jobs/{job['id']}/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled"
         assert r.json()["finished_at"] is not None
@@ -102,7 +88,7 @@ class TestCancel:
         assert r.status_code == 409 and r.json()["error"] == "InvalidTransition"
 
     def test_running_job_gets_a_stop_request(self, client: TestClient, db: Session) -> None:
-        job = _submit(client)
+        job = submit(client)
         db.query(Job).filter_by(id=job["id"]).update({"status": "running", "attempt": 1})
         db.commit()
         r = client.post(f"/v1/jobs/{job['id']}/cancel")
@@ -114,7 +100,7 @@ class TestRunOutputs:
     def test_metrics_logs_and_checkpoints(
         self, client: TestClient, db: Session, settings: Settings, tmp_path: Path
     ) -> None:
-        job = _submit(client)
+        job = submit(client)
         jid = job["id"]
         db.add_all(
             [Metric(job_id=jid, attempt=1, name="loss", step=s, value=1.0 / s) for s in (1, 2, 3)]

@@ -2,39 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from migrations import upgrade
-from service.app import create_app
-from service.config import Settings
 from service.models import Metric
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.jobs.test_router import SPEC, _submit
+from tests.api_fixtures import SPEC, submit
 
 
 @pytest.fixture
-def sqlite_client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
-        broker_url="memory://",
-        artifact_root=tmp_path / "artifacts",
-        bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
-        sse_poll_seconds=0.01,
-    )
-    upgrade(settings.database_url)
-    app = create_app(settings, scheduler=RecordingScheduler())
-    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
-        yield c
+def sqlite_settings() -> dict[str, Any]:
+    return {"sse_poll_seconds": 0.01}
 
 
 def test_filters_downsampling_and_events_on_sqlite(sqlite_client: TestClient) -> None:
     c = sqlite_client
-    a = _submit(c, labels={"team": "vision", "tier": "gold"})
-    b = _submit(c, labels={"team": "vision"})
+    a = submit(c, labels={"team": "vision", "tier": "gold"})
+    b = submit(c, labels={"team": "vision"})
     ids = [
         j["id"]
         for j in c.get("/v1/jobs", params=[("label", "team=vision"), ("label", "tier=gold")]).json()["items"]
@@ -72,7 +57,7 @@ def test_workers_and_job_times_are_aware_utc_on_sqlite(sqlite_client: TestClient
     (w,) = r.json()["items"]
     aware = w["last_heartbeat"].endswith(("Z", "+00:00"))
     assert w["status"] == "alive" and aware, f"expected an alive worker with an aware UTC heartbeat: {w}"
-    job = _submit(sqlite_client)
+    job = submit(sqlite_client)
     assert job["created_at"].endswith(("Z", "+00:00")), f"expected an aware UTC created_at, got {job}"
 
 

@@ -14,8 +14,8 @@ from sqlalchemy import text
 
 from api_schemas import JobSpec
 from service.jobs import stored
+from tests.api_fixtures import SPEC
 from tests.backends import BACKENDS, client_on, sessions_of, store_raw
-from tests.jobs.test_router import SPEC
 
 
 @pytest.fixture(params=BACKENDS)

@@ -10,8 +10,7 @@ from service.app import create_app
 from service.config import Settings
 from service.db import session_factory
 from service.models import Metric
-from tests.api_fixtures import RecordingScheduler
-from tests.jobs.test_router import _submit
+from tests.api_fixtures import RecordingScheduler, submit
 from workers.heartbeat import Heartbeat
 
 FAMILIES = {
@@ -25,7 +24,7 @@ FAMILIES = {
 
 
 def test_metrics_has_every_family(client: TestClient, sessions: sessionmaker[Session], db: Session) -> None:
-    job = _submit(client)
+    job = submit(client)
     Heartbeat(
         sessions=sessions, name="host-m:1", address="10.0.0.9", device="cpu", slots=1, interval=5.0
     ).beat()

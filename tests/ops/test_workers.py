@@ -11,8 +11,7 @@ from service.config import Settings
 from service.models import Worker
 from service.models.base import utcnow
 from service.scheduling.service import schedule_once
-from tests.api_fixtures import RecordingDispatcher
-from tests.jobs.test_router import _submit
+from tests.api_fixtures import RecordingDispatcher, submit
 from workers.heartbeat import Heartbeat
 
 
@@ -23,7 +22,7 @@ def test_heartbeat_then_alive_then_lost(
         sessions=sessions, name="host-a:42", address="10.0.0.9", device="cpu", slots=2, interval=5.0
     )
     heartbeat.beat()
-    job = _submit(client)
+    job = submit(client)
     placed = schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings)
     assert placed == [job["id"]], placed
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -20,9 +19,7 @@ from service.models import Job, JobNode, Worker
 from service.models.base import utcnow
 from service.scheduling import repository
 from service.scheduling.service import republish_unstarted, schedule_once
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, add_user, as_user, register_node
-from tests.conftest import create_database, drop_database
-from tests.jobs.test_router import SPEC
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingDispatcher, add_user, as_user, register_node
 
 
 def _spec(name: str, *, nodes: int = 1, ppn: int = 1, priority: int = 0) -> dict[str, object]:
@@ -141,12 +138,12 @@ class TestPlacement:
 
 
 @pytest.fixture(scope="module")
-def committed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[sessionmaker[Session], Settings]]:
+def committed(
+    own_database: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[sessionmaker[Session], Settings]:
     """A database of its own: concurrent placements need real commits on separate connections."""
-    url = create_database("dptrain_placement")
-    settings = Settings(database_url=url, home=tmp_path_factory.mktemp("placement"))
-    yield session_factory(settings), settings
-    drop_database(url)
+    settings = Settings(database_url=own_database, home=tmp_path_factory.mktemp("placement"))
+    return session_factory(settings), settings
 
 
 def test_concurrent_placements_never_hand_out_a_slot_twice(

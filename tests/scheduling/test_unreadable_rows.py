@@ -16,20 +16,13 @@ from fastapi.testclient import TestClient
 
 from service.scheduling import repository
 from service.scheduling.service import schedule_once
-from tests.api_fixtures import RecordingDispatcher, register_node
+from tests.api_fixtures import RecordingDispatcher, register_node, submit
 from tests.backends import BACKENDS, client_on, sessions_of, store_raw
-from tests.jobs.test_router import SPEC
 
 
 @pytest.fixture(params=BACKENDS)
 def api(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestClient]:
     yield from client_on(request, tmp_path)
-
-
-def _submit(api: TestClient, **over: Any) -> dict[str, Any]:
-    r = api.post("/v1/jobs", json={**SPEC, **over})
-    assert r.status_code == 201, r.text
-    return dict(r.json())
 
 
 def _with(stored: dict[str, Any], **over: Any) -> str:
@@ -73,8 +66,8 @@ def test_the_unreadable_job_fails_with_its_reason_and_the_round_places_the_other
     sessions, settings = sessions_of(api), api.app.state.settings  # type: ignore[attr-defined]
     register_node(sessions, name="solo", slots=4)
     # First in placement order, so a round that stopped at it would place nothing.
-    bad = _submit(api, name="bad", priority=10)
-    good = _submit(api, name="good")
+    bad = submit(api, name="bad", priority=10)
+    good = submit(api, name="good")
     store_raw(api, job_id=bad["id"], column="spec", raw=bad_text(bad["spec"]))
 
     placed = schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings)
@@ -100,7 +93,7 @@ def test_the_unreadable_job_fails_with_its_reason_and_the_round_places_the_other
 
 
 def test_a_readable_spec_asks_for_its_resources(api: TestClient) -> None:
-    job = _submit(api, resources={"nodes": 1, "processes_per_node": 4, "device": "cpu"})
+    job = submit(api, resources={"nodes": 1, "processes_per_node": 4, "device": "cpu"})
     with sessions_of(api)() as s:
         queued, unreadable = repository.queued_in_order(s, limit=10)
     assert unreadable == [], unreadable
@@ -110,7 +103,7 @@ def test_a_readable_spec_asks_for_its_resources(api: TestClient) -> None:
 
 
 def test_a_spec_without_resources_asks_for_the_defaults(api: TestClient) -> None:
-    job = _submit(api)
+    job = submit(api)
     store_raw(api, job_id=job["id"], column="spec", raw=json.dumps({"name": "bare", "recipe": "mlp"}))
     with sessions_of(api)() as s:
         queued, unreadable = repository.queued_in_order(s, limit=10)

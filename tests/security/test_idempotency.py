@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,9 +14,7 @@ from service.app import create_app
 from service.config import Settings
 from service.db import session_factory
 from service.models import Job
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler, add_user, as_user
-from tests.conftest import create_database, drop_database
-from tests.jobs.test_router import SPEC
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler, add_user, as_user
 
 
 class TestReplay:
@@ -58,18 +55,16 @@ class TestReplay:
 
 
 @pytest.fixture(scope="module")
-def committed_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Settings]]:
+def committed_app(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Settings]:
     """The real app on a database of its own: every request commits, as in production."""
-    url = create_database("dptrain_idem")
     tmp = tmp_path_factory.mktemp("idem")
     settings = Settings(
-        database_url=url,
+        database_url=own_database,
         broker_url="memory://",
         artifact_root=tmp / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
     )
-    yield create_app(settings, scheduler=RecordingScheduler()), settings
-    drop_database(url)
+    return create_app(settings, scheduler=RecordingScheduler()), settings
 
 
 def test_concurrent_retries_create_exactly_one_job(committed_app: tuple[Any, Settings]) -> None:

@@ -12,8 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.config import Settings
 from service.models import Checkpoint, LogLine, Metric
 from service.scheduling.service import schedule_once
-from tests.api_fixtures import RecordingDispatcher, add_user, as_user
-from tests.jobs.test_router import SPEC
+from tests.api_fixtures import SPEC, RecordingDispatcher, add_user, as_user
 from workers.engine.checkpoint import checkpoint_name
 from workers.heartbeat import Heartbeat
 

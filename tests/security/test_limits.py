@@ -8,8 +8,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
 from service.limits import TokenBuckets
-from tests.api_fixtures import add_user, as_user
-from tests.jobs.test_router import SPEC
+from tests.api_fixtures import SPEC, add_user, as_user
 
 
 class TestBodyLimit:

@@ -5,7 +5,6 @@ Bounded: a few generated requests per operation, in-process over ASGI, against a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.conftest import create_database, drop_database
 
 # Per operation and phase; about 15 operations, so a few hundred requests in all.
 MAX_EXAMPLES = 25
@@ -61,14 +59,11 @@ class Bearer:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    url = create_database("dptrain_fuzz")
-    app.state.settings = _settings(url, tmp_path_factory.mktemp("fuzz") / "artifacts")
+def database(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    app.state.settings = _settings(own_database, tmp_path_factory.mktemp("fuzz") / "artifacts")
     app.state.session_factory = session_factory(app.state.settings)
     with app.state.session_factory.begin() as session:
         ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
-    yield
-    drop_database(url)
 
 
 @schema.parametrize()

@@ -2,35 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from api_schemas import JobStatus
-from migrations import upgrade
-from service.app import create_app
-from service.config import Settings
 from service.jobs import lifecycle
 from service.scheduling.service import schedule_once
-from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, RecordingScheduler, as_user, register_node
-from tests.jobs.test_router import SPEC
+from tests.api_fixtures import (
+    SPEC,
+    RecordingDispatcher,
+    as_user,
+    register_node,
+)
 
 
 @pytest.fixture
-def sqlite_client(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
-        broker_url="memory://",
-        artifact_root=tmp_path / "artifacts",
-        bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
-        max_running_jobs_per_user=1,
-    )
-    upgrade(settings.database_url)
-    app = create_app(settings, scheduler=RecordingScheduler())
-    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
-        yield c
+def sqlite_settings() -> dict[str, Any]:
+    return {"max_running_jobs_per_user": 1}
 
 
 def test_users_idempotency_and_the_running_limit_on_sqlite(sqlite_client: TestClient) -> None:

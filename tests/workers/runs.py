@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
-from api_schemas import JobStatus
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobSpec, JobStatus
+from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
-from service.jobs import lifecycle
+from service.jobs import lifecycle, service
 from service.models import Job
 from service.models.base import utcnow
 from service.scheduling import repository
+from tests.api_fixtures import ADMIN_TOKEN
 from workers.runner import run_node
+
+
+def node_settings(database_url: str, home: Path) -> Settings:
+    """The settings of this test's process as a worker node: artifacts under `home`, quick reports."""
+    return Settings(
+        database_url=database_url, artifact_root=home / "artifacts", home=home, report_interval_seconds=0.2
+    )
+
+
+def submit_as_admin(sessions: sessionmaker[Session], spec: dict[str, Any]) -> str:
+    """Submit `spec` as the bootstrap admin through the jobs service (no API); returns the job id."""
+    with sessions.begin() as s:
+        user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        return service.submit(s, user=user, spec=JobSpec.model_validate(spec)).id
 
 
 def place_here(settings: Settings, *, job_id: str) -> int:

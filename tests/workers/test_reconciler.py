@@ -13,10 +13,11 @@ from api_schemas import JobError
 from service.config import Settings
 from service.models import Checkpoint, Job, JobNode, JobTransition, LogLine, Metric, Worker
 from service.models.base import utcnow
+from tests.conftest import job_spec
 from workers.reconciler import purge_expired, recover_lost
 from workers.reporting import Reporter
 
-SPEC = {"name": "r", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4, "steps": 1}}
+SPEC = job_spec(name="r", hyperparameters={"global_batch_size": 4, "steps": 1})
 
 
 def _node(db: Session, job_id: str, *, rank: int, worker: str) -> None:

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
 from service.models import Checkpoint, Job, LogLine, Metric
+from tests.conftest import job_spec
 from workers.engine.checkpoint import checkpoint_name
 from workers.engine.events import (
     CheckpointEvent,
@@ -23,7 +24,7 @@ from workers.engine.events import (
 )
 from workers.reporting import Reporter
 
-SPEC = {"name": "r", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4, "steps": 3}}
+SPEC = job_spec(name="r", hyperparameters={"global_batch_size": 4, "steps": 3})
 
 
 def test_events_and_logs_become_rows_and_nan_does_not_block_the_batch(

@@ -7,23 +7,19 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobError, JobSpec, JobStatus
-from service.auth.tokens import ensure_bootstrap_admin
+from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.db import session_factory
-from service.jobs import service
 from service.models import Checkpoint, Job, JobTransition
-from tests.api_fixtures import ADMIN_TOKEN
-from tests.conftest import create_database, drop_database
-from tests.engine.test_resume import _assert_equal
-from tests.workers.runs import run_attempt
+from tests.conftest import job_spec
+from tests.engine_fixtures import assert_bitwise_equal
+from tests.workers.runs import node_settings, run_attempt, submit_as_admin
 from workers.engine.checkpoint import checkpoint_name
 from workers.engine.events import StartedEvent, parse_event
 from workers.procs import rank_processes
@@ -32,11 +28,8 @@ STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    url = create_database("dptrain_restarts")
-    tmp = tmp_path_factory.mktemp("restarts")
-    yield Settings(database_url=url, artifact_root=tmp / "artifacts", home=tmp, report_interval_seconds=0.2)
-    drop_database(url)
+def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return node_settings(own_database, tmp_path_factory.mktemp("restarts"))
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +38,15 @@ def sessions(settings: Settings) -> sessionmaker[Session]:
 
 
 def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
-    spec = {
-        "name": "restarts",
-        "recipe": "mlp",
-        "hyperparameters": {"global_batch_size": 8, "steps": STEPS, "hidden_size": 8, "momentum": 0.9},
-        "resources": {"processes_per_node": 2},
-        "engine": {"log_every_steps": 1},
-        "checkpoint": {"every_steps": 4, "keep_last": 10},
-        **over,
-    }
-    with sessions.begin() as s:
-        user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
-        return service.submit(s, user=user, spec=JobSpec.model_validate(spec)).id
+    spec = job_spec(
+        name="restarts",
+        hyperparameters={"global_batch_size": 8, "steps": STEPS, "hidden_size": 8, "momentum": 0.9},
+        resources={"processes_per_node": 2},
+        engine={"log_every_steps": 1},
+        checkpoint={"every_steps": 4, "keep_last": 10},
+    )
+    spec.update(over)  # a section given here replaces the whole section
+    return submit_as_admin(sessions, spec)
 
 
 def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
@@ -87,6 +77,7 @@ def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:
     return dict(torch.load(path, weights_only=True))
 
 
+@pytest.mark.e2e
 def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,9 +126,10 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
 
     want, got = _final_state(settings, reference), _final_state(settings, job_id)
     for key in ("model", "optimizer", "iter", "world_size"):
-        _assert_equal(want[key], got[key], key)
+        assert_bitwise_equal(want[key], got[key], key)
 
 
+@pytest.mark.e2e
 def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,6 +145,7 @@ def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     assert [s for s, _ in _timeline(sessions, job_id)] == ["queued", "running", "queued", "running", "failed"]
 
 
+@pytest.mark.e2e
 def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessionmaker[Session]) -> None:
     job_id = _submit(
         # An absurd learning rate overflows the loss within a few steps (as in tests/engine).

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobError, JobSpec, JobStatus
+from api_schemas import JobError, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import service
 from service.models import Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.conftest import create_database, drop_database
-from tests.workers.runs import place_here, run_attempt
+from tests.conftest import job_spec
+from tests.workers.runs import node_settings, place_here, run_attempt, submit_as_admin
 from workers import runner
 from workers.engine.checkpoint import checkpoint_files
 from workers.procs import rank_processes
@@ -27,12 +27,9 @@ from workers.runner import run_node
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     # The runner commits through its own sessions, so this module gets a database of its own.
-    url = create_database("dptrain_runner")
-    tmp = tmp_path_factory.mktemp("runner")
-    yield Settings(database_url=url, artifact_root=tmp / "artifacts", home=tmp, report_interval_seconds=0.2)
-    drop_database(url)
+    return node_settings(own_database, tmp_path_factory.mktemp("runner"))
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +38,14 @@ def sessions(settings: Settings) -> sessionmaker[Session]:
 
 
 def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
-    spec = {
-        "name": "runner",
-        "recipe": "mlp",
-        "hyperparameters": {"global_batch_size": 8, "steps": 4, "hidden_size": 8},
-        "resources": {"processes_per_node": 2},
-        "checkpoint": {"every_steps": 2},
-        **over,
-    }
-    with sessions.begin() as s:
-        user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
-        return service.submit(s, user=user, spec=JobSpec.model_validate(spec)).id
+    spec = job_spec(
+        name="runner",
+        hyperparameters={"global_batch_size": 8, "steps": 4, "hidden_size": 8},
+        resources={"processes_per_node": 2},
+        checkpoint={"every_steps": 2},
+    )
+    spec.update(over)  # a section given here replaces the whole section
+    return submit_as_admin(sessions, spec)
 
 
 def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
@@ -67,6 +61,7 @@ def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[str]:
         return [r.to_status for r in rows]
 
 
+@pytest.mark.e2e
 def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions)
     attempt = place_here(settings, job_id=job_id)
@@ -87,6 +82,7 @@ def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, se
     assert run_attempt(job_id=job_id, settings=settings) is None, "a late redelivery must not run again"
 
 
+@pytest.mark.e2e
 def test_a_rank_that_raises_fails_the_job_with_its_rank_and_traceback(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,6 +128,7 @@ def _wait_step(sessions: sessionmaker[Session], job_id: str, step: int, timeout:
     raise AssertionError(f"job {job_id} did not reach step {step} in {timeout} s")
 
 
+@pytest.mark.e2e
 def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
     thread, out = _run_in_thread(settings, job_id)
@@ -159,6 +156,7 @@ def test_a_cancelled_queued_job_never_starts(settings: Settings, sessions: sessi
     assert job.status == "cancelled" and job.attempt == 0 and job.started_at is None
 
 
+@pytest.mark.e2e
 def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(
         sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000}, max_runtime_seconds=2
@@ -170,6 +168,7 @@ def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessio
     assert rank_processes(job_id) == []
 
 
+@pytest.mark.e2e
 def test_outputs_are_written_under_the_artifact_root(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
@@ -178,6 +177,7 @@ def test_outputs_are_written_under_the_artifact_root(settings: Settings, session
     assert (job_dir / "attempt-1" / "node-0" / "logs" / "rank1.log").is_file()
 
 
+@pytest.mark.e2e
 def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -193,6 +193,7 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     assert rank_processes(job_id) == [], "the stuck rank must be killed too"
 
 
+@pytest.mark.e2e
 def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -211,8 +212,9 @@ def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     assert kicks == [1], "placement is asked to use them"
 
 
+@pytest.mark.e2e
 def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node(
-    settings: Settings, sessions: sessionmaker
+    settings: Settings, sessions: sessionmaker, free_port: Callable[[], int]
 ) -> None:
     from sqlalchemy import func, select
 
@@ -220,7 +222,6 @@ def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node
     from service.models import JobNode
     from service.models.base import utcnow
     from service.scheduling import repository as placement
-    from tests.e2e.helpers import free_port
 
     job_id = _submit(sessions, resources={"nodes": 2, "processes_per_node": 1})
     with sessions.begin() as s:
