@@ -52,6 +52,7 @@ def test_the_api_process_never_imports_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.e2e
 def test_the_worker_process_never_imports_torch() -> None:
     # The Celery worker only supervises torchrun: the events and checkpoint names it shares with the
     # ranks live in torch-free modules (workers/engine/events.py, checkpoint.py's lazy import).

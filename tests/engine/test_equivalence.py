@@ -1,4 +1,4 @@
-"""The seeds' key test: 1, 2 and 4 ranks at the same global batch train to the same parameters."""
+"""Data parallelism's key property: 1, 2 and 4 ranks at the same global batch train to the same parameters."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engine.config import BASE_HYPERPARAMETERS
-from workers.engine.recipes import RECIPES
+from api_schemas import JobSpec
+from workers.engine.recipes import builder_of, plan_params
 
 pytestmark = pytest.mark.e2e  # both tests read the equivalence runs (torchrun)
 
@@ -16,10 +16,9 @@ TOLERANCE = 1e-6
 
 
 def _initial_params(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
-    hp = spec["hyperparameters"]
-    torch.manual_seed(hp["seed"])
-    extras = {k: v for k, v in hp.items() if k not in BASE_HYPERPARAMETERS}
-    return RECIPES[spec["recipe"]](extras, hp["seed"]).model.state_dict()
+    job = JobSpec.model_validate(spec)
+    torch.manual_seed(job.hyperparameters.seed)
+    return builder_of(job)(plan_params(job), job.hyperparameters.seed).model.state_dict()
 
 
 def test_same_result_at_any_world_size(
