@@ -7,7 +7,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi import Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BeforeValidator
@@ -38,8 +38,6 @@ from service.errors import (
     Conflict,
     NotFound,
     PayloadTooLarge,
-    TooManyRequests,
-    Unauthorized,
     error_responses,
 )
 from service.etag import conditional, conditional_json
@@ -47,14 +45,9 @@ from service.jobs import events, metrics_repository, repository, service
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
 from service.params import CheckpointId, Int32, Int64, JobId, Text
-from service.strict_json import StrictJSONRoute
+from service.routing import v1_router
 
-router = APIRouter(
-    prefix="/v1/jobs",
-    tags=["jobs"],
-    responses=error_responses(Unauthorized, TooManyRequests),
-    route_class=StrictJSONRoute,
-)
+router = v1_router("jobs")
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
 _REPLAY: dict[int | str, dict[str, object]] = {
     200: {"model": Job, "description": "A replay: the job this Idempotency-Key created"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response, status
+from fastapi import Response, status
 
 from api_schemas import IssuedToken, UserCreate, UserInfo
 from service.deps import CurrentUser, SessionDep
@@ -11,20 +11,13 @@ from service.errors import (
     Forbidden,
     NotFound,
     PayloadTooLarge,
-    TooManyRequests,
-    Unauthorized,
     error_responses,
 )
 from service.params import UserPath
-from service.strict_json import StrictJSONRoute
+from service.routing import v1_router
 from service.users import service
 
-router = APIRouter(
-    prefix="/v1/users",
-    tags=["users"],
-    responses=error_responses(Unauthorized, TooManyRequests),
-    route_class=StrictJSONRoute,
-)
+router = v1_router("users")
 
 
 @router.post(

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-
 from api_schemas import WorkerList
 from service.deps import CurrentUser, SessionDep, SettingsDep
-from service.errors import TooManyRequests, Unauthorized, error_responses
-from service.strict_json import StrictJSONRoute
+from service.routing import v1_router
 from service.workers import service
 
-router = APIRouter(
-    prefix="/v1/workers",
-    tags=["workers"],
-    responses=error_responses(Unauthorized, TooManyRequests),
-    route_class=StrictJSONRoute,
-)
+router = v1_router("workers")
 
 
 @router.get("", response_model=WorkerList)

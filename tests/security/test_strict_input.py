@@ -22,7 +22,7 @@ from service.app import create_app
 from service.errors import install_error_handler
 from service.strict_json import MAX_DEPTH, StrictJSONRoute
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.backends import sqlite_settings
+from tests.backends import sqlite_app_settings
 from tests.jobs.test_router import SPEC
 
 JSON = {"Content-Type": "application/json"}
@@ -186,7 +186,7 @@ class TestValidationErrorsAlwaysRender:
 
 
 def test_every_route_with_a_body_parses_it_strictly(tmp_path: Path) -> None:
-    app = create_app(sqlite_settings(tmp_path), scheduler=RecordingScheduler())
+    app = create_app(sqlite_app_settings(tmp_path), scheduler=RecordingScheduler())
     loose = [
         r.path
         for r in app.routes
@@ -198,7 +198,7 @@ def test_every_route_with_a_body_parses_it_strictly(tmp_path: Path) -> None:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[str, int]]:
     """The real app under uvicorn on a free port, for what only a real connection shows."""
-    app = create_app(sqlite_settings(tmp_path), scheduler=RecordingScheduler())
+    app = create_app(sqlite_app_settings(tmp_path), scheduler=RecordingScheduler())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
