@@ -10,7 +10,6 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
-from migrations import upgrade
 from service.app import create_app
 from service.config import Settings
 from service.dispatch import NodeStart
@@ -89,16 +88,9 @@ def sqlite_settings() -> dict[str, Any]:
 @pytest.fixture
 def sqlite_client(tmp_path: Path, sqlite_settings: dict[str, Any]) -> Iterator[TestClient]:
     """An authenticated client of the real app on SQLite, the embedded service's database."""
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
-        broker_url="memory://",
-        artifact_root=tmp_path / "artifacts",
-        bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
-        **sqlite_settings,
-    )
-    upgrade(settings.database_url)
-    app = create_app(settings, scheduler=RecordingScheduler())
-    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
+    from tests.backends import sqlite_app  # it imports this module
+
+    with sqlite_app(tmp_path, **sqlite_settings) as c:
         yield c
 
 

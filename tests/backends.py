@@ -21,7 +21,7 @@ from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
 BACKENDS = ["postgresql", "sqlite"]
 
 
-def sqlite_settings(tmp_path: Path, **overrides: Any) -> Settings:
+def sqlite_app_settings(tmp_path: Path, **overrides: Any) -> Settings:
     """Settings of the embedded service (`dptrain up`): SQLite, migrated."""
     settings = Settings(
         database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
@@ -35,9 +35,9 @@ def sqlite_settings(tmp_path: Path, **overrides: Any) -> Settings:
 
 
 @contextmanager
-def sqlite_client(tmp_path: Path) -> Iterator[TestClient]:
+def sqlite_app(tmp_path: Path, **overrides: Any) -> Iterator[TestClient]:
     """An admin's client of the real app on a fresh SQLite file."""
-    app = create_app(sqlite_settings(tmp_path), scheduler=RecordingScheduler())
+    app = create_app(sqlite_app_settings(tmp_path, **overrides), scheduler=RecordingScheduler())
     with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as c:
         yield c
 
@@ -47,7 +47,7 @@ def client_on(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestCl
     if request.param == "postgresql":
         yield request.getfixturevalue("client")
         return
-    with sqlite_client(tmp_path) as c:
+    with sqlite_app(tmp_path) as c:
         yield c
 
 

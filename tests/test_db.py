@@ -13,7 +13,7 @@ from sqlalchemy.exc import StatementError
 from service.db import load_json, make_engine
 from service.models import Job, MetricRollup
 from tests.api_fixtures import SPEC
-from tests.backends import BACKENDS, sessions_of, sqlite_client, sqlite_settings, store_raw
+from tests.backends import BACKENDS, sessions_of, sqlite_app, sqlite_app_settings, store_raw
 
 
 @pytest.fixture(params=BACKENDS)
@@ -22,7 +22,7 @@ def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     if request.param == "postgresql":
         url = request.getfixturevalue("pg_url")
     else:
-        url = sqlite_settings(tmp_path).database_url
+        url = sqlite_app_settings(tmp_path).database_url
     made = make_engine(url)
     yield made
     made.dispose()
@@ -60,7 +60,7 @@ def test_load_json_never_raises(text: str | bytes, expected: object) -> None:
 
 def test_a_row_whose_json_text_does_not_parse_still_loads(tmp_path: Path) -> None:
     # Only SQLite can hold such text (a JSONB column refuses it): the embedded service.
-    with sqlite_client(tmp_path) as client:
+    with sqlite_app(tmp_path) as client:
         job_id = client.post("/v1/jobs", json=SPEC).json()["id"]
         cut = json.dumps(SPEC)[:30]
         store_raw(client, job_id=job_id, column="spec", raw=cut)
