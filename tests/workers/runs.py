@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobSpec, JobStatus
@@ -24,6 +25,24 @@ def node_settings(database_url: str, home: Path) -> Settings:
     return Settings(
         database_url=database_url, artifact_root=home / "artifacts", home=home, report_interval_seconds=0.2
     )
+
+
+def node_fixtures() -> tuple[Any, Any]:
+    """Module-scoped `settings` and `sessions` fixtures of a node whose database is the module's own.
+
+    The runner commits through sessions of its own, so it cannot share the rolled-back transaction of
+    the other tests; a module assigns both (`settings, sessions = node_fixtures()`).
+    """
+
+    @pytest.fixture(scope="module", name="settings")
+    def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+        return node_settings(own_database, tmp_path_factory.mktemp("node"))
+
+    @pytest.fixture(scope="module", name="sessions")
+    def sessions(settings: Settings) -> sessionmaker[Session]:
+        return session_factory(settings)
+
+    return settings, sessions
 
 
 def submit_as_admin(sessions: sessionmaker[Session], spec: dict[str, Any]) -> str:

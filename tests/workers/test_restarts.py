@@ -15,11 +15,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from service.config import Settings
-from service.db import session_factory
 from service.models import Checkpoint, Job, JobTransition
 from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
-from tests.workers.runs import node_settings, run_attempt, submit_as_admin
+from tests.workers.runs import node_fixtures, run_attempt, submit_as_admin
 from workers.engine.checkpoint import checkpoint_name
 from workers.engine.events import StartedEvent, parse_event
 from workers.procs import rank_processes
@@ -27,14 +26,7 @@ from workers.procs import rank_processes
 STEPS = 24
 
 
-@pytest.fixture(scope="module")
-def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    return node_settings(own_database, tmp_path_factory.mktemp("restarts"))
-
-
-@pytest.fixture(scope="module")
-def sessions(settings: Settings) -> sessionmaker[Session]:
-    return session_factory(settings)
+settings, sessions = node_fixtures()
 
 
 def _submit(sessions: sessionmaker[Session], **over: Any) -> str:

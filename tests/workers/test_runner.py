@@ -14,27 +14,17 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
-from service.db import session_factory
 from service.jobs import service
 from service.models import Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
-from tests.workers.runs import node_settings, place_here, run_attempt, submit_as_admin
+from tests.workers.runs import node_fixtures, place_here, run_attempt, submit_as_admin
 from workers import runner
 from workers.engine.checkpoint import checkpoint_files
 from workers.procs import rank_processes
 from workers.runner import run_node
 
-
-@pytest.fixture(scope="module")
-def settings(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    # The runner commits through its own sessions, so this module gets a database of its own.
-    return node_settings(own_database, tmp_path_factory.mktemp("runner"))
-
-
-@pytest.fixture(scope="module")
-def sessions(settings: Settings) -> sessionmaker[Session]:
-    return session_factory(settings)
+settings, sessions = node_fixtures()
 
 
 def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
