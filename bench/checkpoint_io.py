@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Result, finish, interleaved, result
+from bench.common import Result, finish, interleaved, ratio_of, result
 from workers.engine.checkpoint import CheckpointManager
 
 BAR = 0.7
@@ -112,9 +112,7 @@ def run(smoke: bool = False, directory: Path | None = None, mib: int | None = No
             benchmark="6. Checkpoint I/O",
             compared=what,
             unit="x (bandwidth ratio)",
-            ratio=m["median"],
-            low=m["min"],
-            high=m["max"],
+            **ratio_of(m),
             bar=BAR,
             higher_is_better=True,
             smoke=smoke,

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,11 @@ def machine_line(m: Mapping[str, Any]) -> str:
 # ---- results ---------------------------------------------------------------------------------------
 
 
+def ratio_of(m: Mapping[str, Any]) -> dict[str, float]:
+    """`result()`'s ratio and spread from an `interleaved()` measurement: its median, min and max."""
+    return {"ratio": m["median"], "low": m["min"], "high": m["max"]}
+
+
 def result(
     *,
     benchmark: str,
@@ -232,6 +238,16 @@ def render_markdown(results: Mapping[str, Result], *, intro: str = "") -> str:
             lines += [f"- {n}" for n in notes]
         lines.append("")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RecipeCase:
+    """One built-in recipe at one size, as the engine benchmarks train it."""
+
+    name: str
+    recipe: str
+    extras: dict[str, Any]
+    batch: int
 
 
 # ---- CLI shape shared by every benchmark -----------------------------------------------------------

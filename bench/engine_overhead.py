@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from api_schemas import JobSpec
-from bench.common import Result, cli, interleaved, result, timed
+from bench.common import RecipeCase, Result, cli, interleaved, ratio_of, result, timed
 from workers.engine import distributed as D
 from workers.engine.checkpoint import CheckpointManager, LoadedCheckpoint
 from workers.engine.data import mix_seed
@@ -38,14 +38,10 @@ BAR = 1.02
 
 
 @dataclass(frozen=True)
-class Case:
-    """One recipe at one size."""
+class Case(RecipeCase):
+    """One recipe at one size, trained this many steps per round."""
 
-    name: str
-    recipe: str
-    extras: dict[str, Any]
-    batch: int
-    steps: int  # per round
+    steps: int
 
 
 FULL = [
@@ -190,9 +186,7 @@ def run(smoke: bool = False, rounds: int | None = None) -> dict[str, Result]:
             compared="`Trainer.train()` (job defaults, events every step) / plain PyTorch loop, "
             "seconds per round; worst of the cases",
             unit="x (time ratio)",
-            ratio=worst["median"],
-            low=worst["min"],
-            high=worst["max"],
+            **ratio_of(worst),
             bar=BAR,
             higher_is_better=False,
             smoke=smoke,

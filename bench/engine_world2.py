@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Result, bench_env, cli, interleaved, result
+from bench.common import ROOT, Result, bench_env, cli, interleaved, ratio_of, result
 from workers.engine.launch import torchrun_command
 
 BAR = 1.00
@@ -124,9 +124,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
             benchmark="2. Engine at world size 2 (Gloo)",
             compared=f"engine training loop / hand-written torchrun + DDP loop, {name}, {steps} steps",
             unit="x (time ratio)",
-            ratio=m["median"],
-            low=m["min"],
-            high=m["max"],
+            **ratio_of(m),
             bar=BAR,
             higher_is_better=False,
             smoke=smoke,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Result, cli, interleaved, result, timed
+from bench.common import Result, cli, interleaved, ratio_of, result, timed
 from bench.engine_overhead import Case, engine_side, plain_side
 from bench.stack import free_port
 
@@ -84,9 +84,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
             benchmark="7. GPU",
             compared="engine bf16 steps/s / plain PyTorch bf16 loop steps/s, NCCL, world 1; worst case",
             unit="x (throughput ratio)",
-            ratio=worst["median"],
-            low=worst["min"],
-            high=worst["max"],
+            **ratio_of(worst),
             bar=BAR,
             higher_is_better=True,
             smoke=smoke,

@@ -36,6 +36,7 @@ from typing import Any, cast
 import torch
 
 from api_schemas import JobSpec
+from bench.common import RecipeCase
 from workers.engine import distributed as D
 from workers.engine.memory import checkpointed_parts
 from workers.engine.recipes import RECIPES
@@ -45,14 +46,7 @@ MiB = 1 << 20
 SEED = 0
 
 
-@dataclass(frozen=True)
-class Case:
-    """One recipe at one size."""
-
-    name: str
-    recipe: str
-    extras: dict[str, Any]
-    batch: int
+Case = RecipeCase
 
 
 # Sizes where activations, not parameters, dominate: wide batches over deep or long models.

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from api_schemas import JobStatus
-from bench.common import ROOT, Result, bench_env, cli, interleaved, result
+from bench.common import ROOT, Result, bench_env, cli, interleaved, ratio_of, result
 from bench.stack import running_stack
 
 BAR = 1.3
@@ -104,9 +104,7 @@ def run(smoke: bool = False) -> dict[str, Result]:
             compared="submit to first step's metrics visible in the API (2-rank mlp job) "
             "/ wall time of a bare 2-process torchrun hello-world",
             unit="x (time ratio)",
-            ratio=m["median"],
-            low=m["min"],
-            high=m["max"],
+            **ratio_of(m),
             bar=BAR,
             higher_is_better=False,
             smoke=smoke,
