@@ -24,6 +24,8 @@ from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.db import make_engine
+
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.api_fixtures", "tests.engine_fixtures"]
 PG_ADMIN_URL = os.environ.get("DPTRAIN_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -84,7 +86,8 @@ def own_database(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture
 def connection(pg_url: str) -> Iterator[Connection]:
     """A connection inside a transaction that is rolled back after the test (polar's pattern)."""
-    engine = create_engine(pg_url)
+    # The service's own engine: JSON written without NaN, read back as the API reads it.
+    engine = make_engine(pg_url, pool_size=1)
     conn = engine.connect()
     trans = conn.begin()
     yield conn
