@@ -67,3 +67,17 @@ def test_the_worker_process_never_imports_torch() -> None:
 def test_models_match_the_migrations(pg_url: str) -> None:
     # Raises if autogenerate would produce any operation: the models and migrations agree.
     command.check(alembic_config(pg_url))
+
+
+def test_no_test_module_imports_another() -> None:
+    # Shared helpers live in conftest, fixtures modules or helper modules; a test module importing
+    # another one couples two suites and runs the other's module-level code.
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            bad = {n for n in names if n.rsplit(".", 1)[-1].startswith("test_")}
+            if bad:
+                found.setdefault(str(path.relative_to(ROOT)), set()).update(bad)
+    assert found == {}, f"test modules imported by others: {found}"

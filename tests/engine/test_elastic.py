@@ -1,4 +1,4 @@
-"""Elastic resume: a checkpoint written by N ranks resumes on M ranks with the same math (issue 3, item 9).
+"""Elastic resume: a checkpoint written by N ranks resumes on M ranks with the same math.
 
 The global batch of step `it` is a pure function of (seed, it), so the sampler position is ITER
 itself; the checkpoint holds the full, unsharded model and optimizer state, so any world size can

@@ -1,4 +1,4 @@
-"""User code through `entrypoint` (issue 3, item 10) and the non-finite-loss failure (item 11)."""
+"""User code through `entrypoint` and the non-finite-loss failure."""
 
 from __future__ import annotations
 

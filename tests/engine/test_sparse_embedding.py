@@ -1,4 +1,4 @@
-"""Sparse gradients and non-data-parallel parameters (issue 3, item 2).
+"""Sparse gradients and non-data-parallel parameters.
 
 The engine runs (torchrun) train the sparse_embedding recipe at world 1, 2 and 4 and in both
 `engine.sparse` modes; the spawned 2-rank gloo group checks the sync functions on hand-made gradients

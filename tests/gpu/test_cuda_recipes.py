@@ -1,4 +1,4 @@
-"""CUDA checks (issue 3, GPU): every recipe at world size 1 on `device: cuda`, fp32 and bf16, over NCCL.
+"""CUDA checks: every recipe at world size 1 on `device: cuda`, fp32 and bf16, over NCCL.
 
 CI has no GPU, so these skip there; run them on a GPU host with `pytest tests/gpu`.
 """

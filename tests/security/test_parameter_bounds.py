@@ -15,8 +15,8 @@ from api_schemas.base import INT64_MAX
 from service.models import Checkpoint, LogLine, Metric
 from service.models.base import utcnow
 from service.params import INT32_MAX
+from tests.api_fixtures import SPEC
 from tests.backends import BACKENDS, client_on, sessions_of
-from tests.jobs.test_router import SPEC
 
 
 @pytest.fixture(params=BACKENDS)

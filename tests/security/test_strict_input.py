@@ -21,9 +21,8 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.errors import install_error_handler
 from service.strict_json import MAX_DEPTH, StrictJSONRoute
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler
 from tests.backends import sqlite_app_settings
-from tests.jobs.test_router import SPEC
 
 JSON = {"Content-Type": "application/json"}
 
