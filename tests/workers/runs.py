@@ -13,7 +13,7 @@ from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, service
-from service.models import Job
+from service.models import Job, JobTransition
 from service.models.base import utcnow
 from service.scheduling import repository
 from tests.api_fixtures import ADMIN_TOKEN
@@ -84,3 +84,23 @@ def run_attempt(*, job_id: str, settings: Settings) -> JobStatus | None:
     if status == JobStatus.QUEUED.value:
         attempt = place_here(settings, job_id=job_id)
     return run_node(job_id=job_id, attempt=attempt, node_rank=0, settings=settings)
+
+
+def job_row(sessions: sessionmaker[Session], job_id: str) -> Job:
+    """The job's row as it is now."""
+    with sessions() as s:
+        job = s.get(Job, job_id)
+        assert job is not None, f"job {job_id} is gone"
+        return job
+
+
+def timeline(sessions: sessionmaker[Session], job_id: str) -> list[tuple[str, str | None]]:
+    """The job's transitions as (to_status, reason), oldest first."""
+    with sessions() as s:
+        rows = s.query(JobTransition).filter_by(job_id=job_id).order_by(JobTransition.id).all()
+        return [(r.to_status, r.reason) for r in rows]
+
+
+def statuses(sessions: sessionmaker[Session], job_id: str) -> list[str]:
+    """The statuses the job went through, oldest first."""
+    return [status for status, _ in timeline(sessions, job_id)]

@@ -15,10 +15,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from service.config import Settings
-from service.models import Checkpoint, Job, JobTransition
+from service.models import Checkpoint, Job
 from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
-from tests.workers.runs import node_fixtures, run_attempt, submit_as_admin
+from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
 from workers.engine.checkpoint import checkpoint_name
 from workers.engine.events import StartedEvent, parse_event
 from workers.procs import rank_processes
@@ -39,19 +39,6 @@ def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
     )
     spec.update(over)  # a section given here replaces the whole section
     return submit_as_admin(sessions, spec)
-
-
-def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
-    with sessions() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        return job
-
-
-def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[tuple[str, str | None]]:
-    with sessions() as s:
-        rows = s.query(JobTransition).filter_by(job_id=job_id).order_by(JobTransition.id).all()
-        return [(r.to_status, r.reason) for r in rows]
 
 
 def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
@@ -86,7 +73,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     while time.monotonic() < deadline:
         with sessions() as s:
             saved = [c.step for c in s.query(Checkpoint).filter_by(job_id=job_id)]
-        if saved and _job(sessions, job_id).step >= 10:
+        if saved and job_row(sessions, job_id).step >= 10:
             break
         time.sleep(0.1)
     else:
@@ -94,21 +81,21 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     os.kill(_rank_pid(settings, job_id, 1), signal.SIGKILL)
     thread.join(timeout=60)
     assert out == [JobStatus.QUEUED], f"expected the attempt to end requeued, got {out}"
-    assert _job(sessions, job_id).queued_reason == "restarting: waiting for placement", (
+    assert job_row(sessions, job_id).queued_reason == "restarting: waiting for placement", (
         "placement restarts it"
     )
     assert rank_processes(job_id) == [], "no rank of the killed attempt may survive"
     pid_file = settings.artifacts / "jobs" / job_id / "attempt-1" / "node-0" / "torchrun.pid"
     assert pid_file.read_text().strip().isdigit(), "each attempt names its process group for operators"
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert job.status == "queued" and job.claim_token is None and job.error is not None
 
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert job.attempt == 2 and job.step == STEPS and job.error is None
-    states = [s for s, _ in _timeline(sessions, job_id)]
+    states = [s for s, _ in timeline(sessions, job_id)]
     assert states == ["queued", "running", "queued", "running", "succeeded"], states
-    restart_reason = _timeline(sessions, job_id)[2][1] or ""
+    restart_reason = timeline(sessions, job_id)[2][1] or ""
     assert "restarting after attempt 1 of 2" in restart_reason, restart_reason
     lines = (
         settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
@@ -131,10 +118,10 @@ def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED, (
         "only the first failure restarts"
     )
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert job.status == "failed" and job.attempt == 2
     assert "injected fault at step 2" in JobError.model_validate(job.error).message, job.error
-    assert [s for s, _ in _timeline(sessions, job_id)] == ["queued", "running", "queued", "running", "failed"]
+    assert [s for s, _ in timeline(sessions, job_id)] == ["queued", "running", "queued", "running", "failed"]
 
 
 @pytest.mark.e2e
@@ -146,7 +133,7 @@ def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessio
         hyperparameters={"global_batch_size": 32, "steps": 50, "lr": 100.0, "momentum": 0.9},
     )
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert job.attempt == 1, "a resume would replay the same NaN bitwise: no restart"
     assert JobError.model_validate(job.error).type == "FloatingPointError", job.error
 
@@ -168,7 +155,7 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
         )
         s.query(Job).filter_by(id=job_id).update({"attempt": 1})
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert JobError.model_validate(job.error).type == "CheckpointMissing", job.error
     assert not (
         settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"

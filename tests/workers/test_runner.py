@@ -15,10 +15,9 @@ from api_schemas import JobError, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.jobs import service
-from service.models import Job, JobTransition
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
-from tests.workers.runs import node_fixtures, place_here, run_attempt, submit_as_admin
+from tests.workers.runs import job_row, node_fixtures, place_here, run_attempt, statuses, submit_as_admin
 from workers import runner
 from workers.engine.checkpoint import checkpoint_files
 from workers.procs import rank_processes
@@ -38,19 +37,6 @@ def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
     return submit_as_admin(sessions, spec)
 
 
-def _job(sessions: sessionmaker[Session], job_id: str) -> Job:
-    with sessions() as s:
-        job = s.get(Job, job_id)
-        assert job is not None
-        return job
-
-
-def _timeline(sessions: sessionmaker[Session], job_id: str) -> list[str]:
-    with sessions() as s:
-        rows = s.query(JobTransition).filter_by(job_id=job_id).order_by(JobTransition.id).all()
-        return [r.to_status for r in rows]
-
-
 @pytest.mark.e2e
 def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions)
@@ -66,9 +52,9 @@ def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, se
     for t in threads:
         t.join(timeout=180)
     assert sorted(results, key=str) == sorted([JobStatus.SUCCEEDED, None], key=str), results
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert job.status == "succeeded" and job.attempt == 1 and job.step == 4
-    assert _timeline(sessions, job_id) == ["queued", "running", "succeeded"]
+    assert statuses(sessions, job_id) == ["queued", "running", "succeeded"]
     assert run_attempt(job_id=job_id, settings=settings) is None, "a late redelivery must not run again"
 
 
@@ -79,7 +65,7 @@ def test_a_rank_that_raises_fails_the_job_with_its_rank_and_traceback(
     job_id = _submit(sessions)
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "raise:rank=1:step=2")
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert job.status == "failed"
     assert job.error is not None, "a failed job says why"
     error = JobError.model_validate(job.error)
@@ -98,7 +84,7 @@ def test_a_failing_launcher_fails_the_job_with_a_launcher_error(
     monkeypatch.setattr(runner, "_supervise", broken)
     job_id = _submit(sessions)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
-    error = JobError.model_validate(_job(sessions, job_id).error)
+    error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error == JobError(type="LauncherError", message="OSError: no space left for spec.json"), error
 
 
@@ -112,14 +98,14 @@ def _run_in_thread(settings: Settings, job_id: str) -> tuple[threading.Thread, l
 def _wait_step(sessions: sessionmaker[Session], job_id: str, step: int, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _job(sessions, job_id).step >= step:
+        if job_row(sessions, job_id).step >= step:
             return
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not reach step {step} in {timeout} s")
 
 
 @pytest.mark.e2e
-def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: sessionmaker) -> None:
+def test_cancel_stops_every_rank_of_a_runningjob_row(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
     thread, out = _run_in_thread(settings, job_id)
     _wait_step(sessions, job_id, 2)
@@ -133,7 +119,7 @@ def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: 
     assert rank_processes(job_id) == [], "every rank process must be gone within 10 s of the cancel"
     thread.join(timeout=60)
     assert out == [JobStatus.CANCELLED]
-    assert _job(sessions, job_id).status == "cancelled"
+    assert job_row(sessions, job_id).status == "cancelled"
 
 
 def test_a_cancelled_queued_job_never_starts(settings: Settings, sessions: sessionmaker) -> None:
@@ -142,7 +128,7 @@ def test_a_cancelled_queued_job_never_starts(settings: Settings, sessions: sessi
         admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
         service.cancel(s, user=admin, job_id=job_id)
     assert run_attempt(job_id=job_id, settings=settings) is None, "its message, delivered late, runs nothing"
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     assert job.status == "cancelled" and job.attempt == 0 and job.started_at is None
 
 
@@ -152,7 +138,7 @@ def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessio
         sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000}, max_runtime_seconds=2
     )
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
-    job = _job(sessions, job_id)
+    job = job_row(sessions, job_id)
     error = JobError.model_validate(job.error)
     assert error.type == "DeadlineExceeded" and "deadline exceeded" in error.message, error
     assert rank_processes(job_id) == []
@@ -177,7 +163,7 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     thread.join(timeout=120)
     assert not thread.is_alive(), "a stuck rank must end the job, not hang it"
     assert out == [JobStatus.FAILED]
-    error = JobError.model_validate(_job(sessions, job_id).error)
+    error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error.type == "CollectiveTimeout" and error.rank is not None, error
     assert "collective_timeout_seconds" in error.message, error
     assert rank_processes(job_id) == [], "the stuck rank must be killed too"
@@ -239,7 +225,7 @@ def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node
     started = time.monotonic()
     assert run_node(job_id=job_id, attempt=1, node_rank=0, settings=quick) is JobStatus.FAILED
     assert time.monotonic() - started < 90, "bounded by the rendezvous timeout, not the collective one"
-    error = JobError.model_validate(_job(sessions, job_id).error)
+    error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error.type == "RendezvousFailed" and error.rank is None, error
     with sessions() as s:
         held = s.execute(select(func.count()).select_from(JobNode).where(JobNode.job_id == job_id)).scalar()
