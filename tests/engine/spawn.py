@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -31,6 +33,12 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # torch 2.13's Gloo teardown at interpreter exit now and then aborts the process ("terminate
+    # called without an active exception"), after the rank's work and results are done and written:
+    # leave without it, as the engine's failed ranks and the DDP baseline script do.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def spawn_gloo(fn: Callable[..., None], world: int, *args: Any, timeout: float = SPAWN_TIMEOUT_S) -> None:
