@@ -8,8 +8,6 @@ import pytest
 
 from workers.engine.recipes import load_entrypoint
 
-pytestmark = pytest.mark.e2e  # every test launches the engine under torchrun
-
 ALLOWED = {"DPTRAIN_ALLOWED_ENTRYPOINTS": "examples"}
 
 
@@ -20,6 +18,7 @@ def _entrypoint_spec(make_spec: Any, **hp: Any) -> dict[str, Any]:
     return dict(spec)
 
 
+@pytest.mark.e2e  # torchrun
 def test_the_example_entrypoint_trains_the_same_at_world_1_and_2(engine_runner: Any, make_spec: Any) -> None:
     spec = _entrypoint_spec(make_spec, features=8)
     runs = {w: engine_runner(spec, w, extra_env=ALLOWED) for w in (1, 2)}
@@ -33,6 +32,7 @@ def test_the_example_entrypoint_trains_the_same_at_world_1_and_2(engine_runner: 
     assert lrs[0] > lrs[-1], f"StepLR should have lowered the lr, got {lrs}"
 
 
+@pytest.mark.e2e  # torchrun
 def test_an_entrypoint_outside_the_allowed_prefixes_never_runs(engine_runner: Any, make_spec: Any) -> None:
     run = engine_runner(_entrypoint_spec(make_spec), 1, extra_env={"DPTRAIN_ALLOWED_ENTRYPOINTS": "team_a"})
     assert run.returncode != 0
@@ -43,6 +43,7 @@ def test_an_entrypoint_outside_the_allowed_prefixes_never_runs(engine_runner: An
         load_entrypoint("os:system", allowed="")
 
 
+@pytest.mark.e2e  # torchrun
 def test_a_non_finite_loss_fails_the_job_naming_step_and_rank(engine_runner: Any, make_spec: Any) -> None:
     # An absurd learning rate makes the loss overflow within a few steps on every rank.
     spec = make_spec(hyperparameters={"lr": 100.0, "momentum": 0.9, "steps": 50})
@@ -54,3 +55,19 @@ def test_a_non_finite_loss_fails_the_job_naming_step_and_rank(engine_runner: Any
     assert first["error_type"] == "FloatingPointError", first
     assert "non-finite loss at step" in first["message"] and f"on rank {first['rank']}" in first["message"]
     assert not [e for e in run.events(0) if e["type"] == "finished"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "examples.custom_plan:TensorDataset",  # a class the module imported, not a function it defines
+        "examples.custom_plan:Plan",  # imported from the engine
+        "examples.custom_plan:_dataset",  # private
+        "examples.custom_plan:missing",
+        "examples.mlp:build",  # no such module function (mlp.yaml is not a module)
+    ],
+)
+def test_only_a_public_function_defined_in_the_named_module_is_loaded(name: str) -> None:
+    with pytest.raises((ValueError, ModuleNotFoundError)):
+        load_entrypoint(name, allowed="examples")
+    assert callable(load_entrypoint("examples.custom_plan:build", allowed="examples"))
