@@ -28,7 +28,7 @@ class Strict(BaseModel):
 
 
 def check_json_value(value: Any) -> Any:
-    """Accept a JSON value whose numbers are finite 64-bit ones, nested at most MAX_JSON_DEPTH deep."""
+    """Accept a JSON value: finite 64-bit numbers, text without NUL, at most MAX_JSON_DEPTH levels deep."""
     # Iterative, not recursive: a deep value must be refused with a message, not a RecursionError.
     stack: list[tuple[Any, int]] = [(value, 1)]
     items = 0
@@ -37,7 +37,11 @@ def check_json_value(value: Any) -> Any:
         items += 1
         if items > MAX_JSON_ITEMS:
             raise ValueError(f"more than {MAX_JSON_ITEMS} values in all")
-        if isinstance(v, bool) or v is None or isinstance(v, str):
+        if isinstance(v, str):
+            if "\x00" in v:
+                raise ValueError("strings may not contain NUL (\\u0000)")
+            continue
+        if isinstance(v, bool) or v is None:
             continue
         if isinstance(v, int):
             if not -INT64_MAX - 1 <= v <= INT64_MAX:
@@ -49,8 +53,8 @@ def check_json_value(value: Any) -> Any:
             if depth >= MAX_JSON_DEPTH:
                 raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
             if isinstance(v, dict):
-                if not all(isinstance(k, str) for k in v):
-                    raise ValueError("object keys must be strings")
+                if not all(isinstance(k, str) and "\x00" not in k for k in v):
+                    raise ValueError("object keys must be strings without NUL")
                 stack.extend((x, depth + 1) for x in v.values())
             else:
                 stack.extend((x, depth + 1) for x in v)

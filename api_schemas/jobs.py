@@ -30,7 +30,8 @@ Name = Annotated[
 LabelKey = Annotated[
     str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-/]*$")
 ]
-LabelValue = Annotated[str, StringConstraints(max_length=256)]
+# No NUL: PostgreSQL stores none in text or JSONB (the engine reads the same rule from here).
+LabelValue = Annotated[str, StringConstraints(max_length=256, pattern=r"^[^\x00]*$")]
 # `package.module:function`, matched whole; the function must be public (no leading underscore).
 ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z][A-Za-z0-9_]*$"
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from api_schemas import RECIPES, JobSpec
 from tests.conftest import job_spec
@@ -235,6 +236,27 @@ def test_non_finite_numbers_are_422_and_never_stored(
     assert r.status_code == 422, f"expected 422, got {r.status_code}: {r.text}"
     assert loc in [tuple(e["loc"]) for e in r.json()["detail"]], r.json()
     assert client.get("/v1/jobs").json()["items"] == [], "a refused spec must not be stored"
+
+
+@pytest.mark.parametrize(
+    ("spec", "loc"),
+    [
+        ({"name": "x", "recipe": "mlp", "labels": {"team": "a\x00b"}}, ("labels", "team")),
+        (
+            {"name": "x", "entrypoint": "team.m:build", "hyperparameters": {"tag": "a\x00"}},
+            ("hyperparameters", "tag"),
+        ),
+        (
+            {"name": "x", "entrypoint": "team.m:build", "hyperparameters": {"m": {"k\x00": 1}}},
+            ("hyperparameters", "m"),
+        ),
+    ],
+)
+def test_nul_in_spec_text_is_refused_by_the_model_itself(spec: dict[str, Any], loc: tuple[str, ...]) -> None:
+    # PostgreSQL stores no NUL; the rule is the model's, so the engine reading spec.json applies it too.
+    with pytest.raises(ValidationError) as refused:
+        JobSpec.model_validate(spec)
+    assert [e["loc"] for e in refused.value.errors()] == [loc], refused.value
 
 
 def test_the_valid_spec_validates_with_every_rule() -> None:
