@@ -36,7 +36,7 @@ def check_json_value(value: Any) -> Any:
         v, depth = stack.pop()
         items += 1
         if items > MAX_JSON_ITEMS:
-            raise ValueError(f"more than {MAX_JSON_ITEMS} values in all")
+            raise ValueError(f"more than {MAX_JSON_ITEMS} items in one value")
         if isinstance(v, str):
             if "\x00" in v:
                 raise ValueError("strings may not contain NUL (\\u0000)")

@@ -180,9 +180,10 @@ class JobSpec(Strict):
 
     def local_batch_size(self, world_size: int | None = None) -> int:
         """Samples per rank and step at `world_size` ranks (default: the spec's); ValueError if uneven."""
-        if (reason := self._uneven_batch(world_size or self.world_size)) is not None:
+        world = world_size or self.world_size
+        if (reason := self._uneven_batch(world)) is not None:
             raise ValueError(reason)
-        return self.hyperparameters.global_batch_size // (world_size or self.world_size)
+        return self.hyperparameters.global_batch_size // world
 
     def recipe_params(self) -> BaseModel | None:
         """A built-in recipe's extras as its model, defaults filled in; None for an entrypoint."""

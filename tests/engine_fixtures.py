@@ -19,10 +19,20 @@ from typing import Any
 
 import pytest
 
+from workers.engine.checkpoint import checkpoint_name
+from workers.engine.events import events_path
 from workers.engine.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN_TIMEOUT_S = 120
+
+
+def read_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    """The events rank `rank` of a run wrote, as the JSON objects on its lines (empty if none)."""
+    path = events_path(run_dir, rank)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass
@@ -37,10 +47,7 @@ class EngineRun:
 
     def events(self, rank: int = 0) -> list[dict[str, Any]]:
         """Events rank `rank` wrote (empty if none)."""
-        path = self.run_dir / "events" / f"rank{rank}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return read_events(self.run_dir, rank)
 
     def log(self, rank: int = 0) -> str:
         """Rank `rank`'s captured stdout/stderr."""
@@ -51,7 +58,7 @@ class EngineRun:
         """The checkpoint for `step`, loaded the only allowed way."""
         import torch
 
-        path = self.checkpoint_dir / f"ckpt-{step:09d}.pt"
+        path = self.checkpoint_dir / checkpoint_name(step)
         assert path.exists(), f"expected checkpoint {path}, found {sorted(os.listdir(self.checkpoint_dir))}"
         return torch.load(path, weights_only=True, map_location="cpu")
 

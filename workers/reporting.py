@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError
 from service.jobs import repository
+from service.jobs.stored import describe
 from service.models.base import utcnow
 from workers.engine.events import (
     CheckpointEvent,
@@ -34,12 +35,6 @@ _RANK_FILE = re.compile(r"rank(\d+)\.")
 def _rank_of(path: Path) -> int | None:
     m = _RANK_FILE.match(path.name)
     return int(m.group(1)) if m else None
-
-
-def _why(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    return f"{where}: {first['msg']}" if where else first["msg"]
 
 
 @dataclass
@@ -96,8 +91,9 @@ class Reporter:
                 event = parse_event(line)
             except ValidationError as exc:
                 # Skipped, never fatal: a line cut by a rank's crash, or one this runner cannot read.
+                why = describe(exc, limit=1)
                 log.warning(
-                    "job %s: skipped an event in %s (%s): %r", self.job_id, path.name, _why(exc), line[:200]
+                    "job %s: skipped an event in %s (%s): %r", self.job_id, path.name, why, line[:200]
                 )
                 continue
             self._apply(event)

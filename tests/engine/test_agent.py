@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.engine_fixtures import read_events
 from workers.engine.launch import ENGINE_MAIN, torchrun_command
 from workers.procs import rank_processes
 
@@ -71,11 +72,6 @@ def _launch(
     return proc, run_dir, job_id
 
 
-def _events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    path = run_dir / "events" / f"rank{rank}.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
-
-
 @pytest.mark.e2e
 def test_forked_ranks_share_the_host_one_thread_each(tmp_path: Path, make_spec: Any) -> None:
     # No OMP_NUM_THREADS in the launcher's environment: torchrun sets 1 for ranks sharing a host
@@ -86,7 +82,7 @@ def test_forked_ranks_share_the_host_one_thread_each(tmp_path: Path, make_spec: 
     assert proc.returncode == 0, f"expected the job to succeed\n{out[-3000:]}\n{logs}"
     for rank, log in enumerate(logs):
         assert f"rank {rank}/2 on cpu backend=gloo threads=1" in log, f"rank {rank}'s log: {log!r}"
-    assert any(e["type"] == "finished" for e in _events(run_dir, 0)), _events(run_dir, 0)
+    assert any(e["type"] == "finished" for e in read_events(run_dir, 0)), read_events(run_dir, 0)
 
 
 @pytest.mark.e2e
@@ -98,7 +94,7 @@ def test_sigterm_to_the_group_ends_forked_ranks_without_an_error(tmp_path: Path,
     env = {"OMP_NUM_THREADS": "1", "DPTRAIN_FAULT_INJECT": "sleep:ms=200"}
     proc, run_dir, job_id = _launch(tmp_path, make_spec, steps=200, env=env)
     deadline = time.monotonic() + 60
-    while not any(e["type"] == "metrics" for e in _events(run_dir, 0)) and time.monotonic() < deadline:
+    while not any(e["type"] == "metrics" for e in read_events(run_dir, 0)) and time.monotonic() < deadline:
         assert proc.poll() is None, f"the job ended early\n{proc.communicate()[0][-3000:]}"
         time.sleep(0.05)
     procs = rank_processes(job_id)
@@ -111,7 +107,7 @@ def test_sigterm_to_the_group_ends_forked_ranks_without_an_error(tmp_path: Path,
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0, out[-3000:]
     for rank in (0, 1):
-        errors = [e for e in _events(run_dir, rank) if e["type"] == "error"]
+        errors = [e for e in read_events(run_dir, rank) if e["type"] == "error"]
         assert errors == [], f"rank {rank} reported {errors}"
     deadline = time.monotonic() + 10
     while rank_processes(job_id) and time.monotonic() < deadline:

@@ -117,9 +117,7 @@ def _one_of_each(writer: EventWriter) -> list[Event]:
     events: list[Event] = [
         StartedEvent(world_size=2, start_iter=4, total_steps=10, device="cpu", backend="gloo"),
         MetricsEvent(step=5, values={"loss": 0.5, "lr": 0.1, "grad_norm": math.inf, "odd": math.nan}),
-        CheckpointEvent(
-            step=6, path="/c/x.pt", size_bytes=9, sha256="a" * 64, deleted=["/c/y.pt"], deleted_steps=[2]
-        ),
+        CheckpointEvent(step=6, path="/c/x.pt", size_bytes=9, sha256="a" * 64, deleted=["/c/y.pt"]),
         FinishedEvent(step=10),
     ]
     writer.emit(events[0])

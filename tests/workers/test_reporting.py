@@ -107,9 +107,7 @@ def test_every_event_a_rank_writes_reaches_the_reporter(
     writer.emit(StartedEvent(world_size=2, start_iter=4, total_steps=10, device="cpu", backend="gloo"))
     writer.emit_many([MetricsEvent(step=s, values={"loss": 1 / s, "lr": 0.1}) for s in (5, 6)])
     writer.emit(
-        CheckpointEvent(
-            step=6, path=str(saved), size_bytes=9, sha256="a" * 64, deleted=[str(pruned)], deleted_steps=[2]
-        )
+        CheckpointEvent(step=6, path=str(saved), size_bytes=9, sha256="a" * 64, deleted=[str(pruned)])
     )
     writer.emit(FinishedEvent(step=10))
     try:

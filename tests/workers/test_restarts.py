@@ -20,8 +20,9 @@ from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
 from workers.engine.checkpoint import checkpoint_name
-from workers.engine.events import StartedEvent, parse_event
+from workers.engine.events import StartedEvent, events_path, parse_event
 from workers.procs import rank_processes
+from workers.runner import RunPaths
 
 STEPS = 24
 
@@ -41,10 +42,15 @@ def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
     return submit_as_admin(sessions, spec)
 
 
+def _paths(settings: Settings, job_id: str, *, attempt: int) -> RunPaths:
+    """Where the runner keeps node 0's files of an attempt (the runner's own layout)."""
+    return RunPaths(job_dir=settings.artifacts / "jobs" / job_id, attempt=attempt)
+
+
 def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
     # A CPU rank is a fork of torchrun's agent: its command line and /proc environ are the agent's,
     # so the rank's own log line ("... rank R/W on cpu ... pid=P") says which process it is.
-    log = settings.artifacts / "jobs" / job_id / "attempt-1" / "node-0" / "logs" / f"rank{rank}.log"
+    log = _paths(settings, job_id, attempt=1).run_dir / "logs" / f"rank{rank}.log"
     found = re.search(rf"rank {rank}/\d+ on .* pid=(\d+)", log.read_text() if log.exists() else "")
     if found and int(found.group(1)) in {p.pid for p in rank_processes(job_id)}:
         return int(found.group(1))
@@ -52,7 +58,7 @@ def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
 
 
 def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:
-    path = settings.artifacts / "jobs" / job_id / "checkpoints" / checkpoint_name(STEPS)
+    path = _paths(settings, job_id, attempt=1).checkpoint_dir / checkpoint_name(STEPS)
     return dict(torch.load(path, weights_only=True))
 
 
@@ -85,7 +91,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
         "placement restarts it"
     )
     assert rank_processes(job_id) == [], "no rank of the killed attempt may survive"
-    pid_file = settings.artifacts / "jobs" / job_id / "attempt-1" / "node-0" / "torchrun.pid"
+    pid_file = _paths(settings, job_id, attempt=1).pid_file
     assert pid_file.read_text().strip().isdigit(), "each attempt names its process group for operators"
     job = job_row(sessions, job_id)
     assert job.status == "queued" and job.claim_token is None and job.error is not None
@@ -97,9 +103,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     assert states == ["queued", "running", "queued", "running", "succeeded"], states
     restart_reason = timeline(sessions, job_id)[2][1] or ""
     assert "restarting after attempt 1 of 2" in restart_reason, restart_reason
-    lines = (
-        settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
-    ).read_text()
+    lines = events_path(_paths(settings, job_id, attempt=2).run_dir, 0).read_text()
     starts = [e.start_iter for e in map(parse_event, lines.splitlines()) if isinstance(e, StartedEvent)]
     assert starts and 0 not in starts, f"attempt 2 must resume from a checkpoint:\n{lines}"
 
@@ -157,6 +161,4 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = job_row(sessions, job_id)
     assert JobError.model_validate(job.error).type == "CheckpointMissing", job.error
-    assert not (
-        settings.artifacts / "jobs" / job_id / "attempt-2" / "node-0" / "events" / "rank0.jsonl"
-    ).exists()
+    assert not events_path(_paths(settings, job_id, attempt=2).run_dir, 0).exists()

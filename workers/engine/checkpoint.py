@@ -169,11 +169,6 @@ class SavedCheckpoint:
     sha256: str
     deleted: list[Path] = field(default_factory=list)
 
-    @property
-    def deleted_steps(self) -> list[int]:
-        """The steps of the checkpoints this save pruned."""
-        return [step for p in self.deleted if (step := step_of(p)) is not None]
-
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:

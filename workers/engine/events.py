@@ -59,7 +59,6 @@ class CheckpointEvent(_Event):
     size_bytes: int
     sha256: str
     deleted: list[str] = Field(default_factory=list)
-    deleted_steps: list[int] = Field(default_factory=list)
 
 
 class FinishedEvent(_Event):

@@ -349,6 +349,5 @@ class Trainer:
                 size_bytes=saved.size_bytes,
                 sha256=saved.sha256,
                 deleted=[str(p) for p in saved.deleted],
-                deleted_steps=saved.deleted_steps,
             )
         )
