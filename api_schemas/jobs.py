@@ -154,6 +154,57 @@ class CheckpointSpec(Strict):
     keep_last: int = Field(3, ge=1, le=1000)
 
 
+# A user's variable must not steer the loader, the interpreter, dptrain itself or torchrun's wiring:
+# those decide what code runs and how the ranks find each other, not the user's program.
+RESERVED_ENV_PREFIXES = ("DPTRAIN_", "LD_", "PYTHON", "TORCHELASTIC_")
+RESERVED_ENV_NAMES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PATH",
+    }
+)
+
+
+SHA256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+# One argument of a command: any text but NUL (an argv entry cannot hold one).
+CommandArg = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
+
+
+def _env_name(value: str) -> str:
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value) is None:
+        raise ValueError("expected a variable name: letters, digits and '_', not starting with a digit")
+    upper = value.upper()
+    if upper.startswith(RESERVED_ENV_PREFIXES) or upper in RESERVED_ENV_NAMES:
+        raise ValueError(
+            f"{value} is reserved: DPTRAIN_*, LD_*, PYTHON*, TORCHELASTIC_*, PATH and torchrun's own "
+            "variables are set by the worker"
+        )
+    return value
+
+
+EnvName = Annotated[
+    str,
+    StringConstraints(max_length=128),
+    AfterValidator(_env_name),
+    WithJsonSchema({"type": "string", "maxLength": 128, "pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"}),
+]
+EnvValue = Annotated[str, StringConstraints(max_length=32_768, pattern=r"^[^\x00]*$")]
+
+
+class CodeRef(Strict):
+    """An archive uploaded with `PUT /v1/code/{sha256}`: the tree an entrypoint or a command runs in."""
+
+    sha256: SHA256 = Field(description="sha256 of the .tar.gz, lower-case hex.")
+
+
 class JobSpec(Strict):
     """What a user submits to `POST /v1/jobs`."""
 
@@ -161,8 +212,28 @@ class JobSpec(Strict):
     recipe: RecipeName | None = Field(None, description="A built-in recipe, e.g. `mlp`.")
     entrypoint: Entrypoint | None = Field(
         None,
-        description="User code: `package.module:function` returning the engine's plan; only modules under "
-        "the server's DPTRAIN_ALLOWED_ENTRYPOINTS prefixes run.",
+        description="User code: `package.module:function` returning the engine's plan, from the uploaded "
+        "`code` tree or, without one, a module under the server's DPTRAIN_ALLOWED_ENTRYPOINTS prefixes.",
+    )
+    command: list[CommandArg] | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description='A program started on every rank under torchrun, e.g. `["python", "train.py"]`; '
+        "a leading `python` is the worker's interpreter. Its exit codes decide the job's result.",
+    )
+    code: CodeRef | None = Field(
+        None, description="The uploaded working directory: the ranks' working directory and PYTHONPATH."
+    )
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict, max_length=128, description="Variables added to the ranks' environment."
+    )
+    stall_timeout_seconds: int = Field(
+        1800,
+        ge=10,
+        le=7 * 86_400,
+        description="End the attempt (restart or fail) when no rank reports a step or writes a log line "
+        "for this long.",
     )
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     resources: Resources = Field(default_factory=Resources)
@@ -219,15 +290,21 @@ class JobSpec(Strict):
                 }
             )
 
-        if (self.recipe is None) == (self.entrypoint is None):
-            refuse(("recipe",), "exactly one of 'recipe' or 'entrypoint' must be given", self.recipe)
+        given = [k for k in ("recipe", "entrypoint", "command") if getattr(self, k) is not None]
+        if len(given) != 1:
+            refuse(
+                ("recipe",), "exactly one of 'recipe', 'entrypoint' or 'command' must be given", self.recipe
+            )
+        if self.code is not None and self.recipe is not None:
+            refuse(("code",), "uploaded code runs with an 'entrypoint' or a 'command', not a recipe", None)
         if self.recipe is not None and self.recipe not in RECIPES:
             refuse(
                 ("recipe",),
                 f"unknown recipe {self.recipe!r}; known: {', '.join(sorted(RECIPES))}",
                 self.recipe,
             )
-        if (reason := self._uneven_batch(self.world_size)) is not None:
+        # A command splits its batches itself; the engine's rule is for the engine's split.
+        if self.command is None and (reason := self._uneven_batch(self.world_size)) is not None:
             refuse(("hyperparameters", "global_batch_size"), reason, self.hyperparameters.global_batch_size)
         if (model := RECIPES.get(self.recipe or "")) is not None:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -53,9 +54,22 @@ class Settings(BaseSettings):
     # row, its timeline, latest metrics, error and checkpoints stay). 0 keeps everything.
     history_retention_days: float = 0.0
 
-    # Module prefixes whose `package.module:function` a job's `entrypoint` may name, comma-separated.
-    # Empty: no user code runs at all.
+    # Module prefixes whose `package.module:function` a job's `entrypoint` may name without uploaded
+    # code (modules an operator installed on every worker), comma-separated.
     allowed_entrypoints: str = ""
+    # Which user code runs, and only for admins and users granted `can_run_code` (docs/security.md):
+    # `off` none; `allowlist` only entrypoints under DPTRAIN_ALLOWED_ENTRYPOINTS; `uploaded` also
+    # uploaded code trees and commands.
+    user_code: Literal["off", "allowlist", "uploaded"] = "uploaded"
+    # Largest code archive `PUT /v1/code/{sha256}` stores (413 above), and the most its files may
+    # take unpacked on a worker.
+    code_max_bytes: int = Field(100 << 20, ge=1024)
+    code_max_unpacked_bytes: int = Field(1 << 30, ge=1024)
+    # Where a worker unpacks code archives, once per sha256, read-only (default: HOME/code-cache).
+    code_cache_dir: Path | None = None
+    # Run the ranks of every job as this unprivileged user (the worker must be root), each attempt in
+    # a directory of its own that only it and the worker can read (docs/security.md).
+    run_as: str = ""
 
     # API
     # `limit` above these answers 422 (jobs pages; log pages).
@@ -110,6 +124,9 @@ class Settings(BaseSettings):
         if self.artifact_root is None:
             self.artifact_root = home / "artifacts"
         self.artifact_root = self.artifact_root.resolve()
+        if self.code_cache_dir is None:
+            self.code_cache_dir = home / "code-cache"
+        self.code_cache_dir = self.code_cache_dir.resolve()
         if self.rendezvous_port_min > self.rendezvous_port_max:
             raise ValueError("DPTRAIN_RENDEZVOUS_PORT_MIN must not exceed DPTRAIN_RENDEZVOUS_PORT_MAX")
         if self.default_page_size > self.max_page_size:
@@ -125,6 +142,12 @@ class Settings(BaseSettings):
     def entrypoint_prefixes(self) -> list[str]:
         """DPTRAIN_ALLOWED_ENTRYPOINTS as a list."""
         return [p.strip() for p in self.allowed_entrypoints.split(",") if p.strip()]
+
+    @property
+    def code_cache(self) -> Path:
+        """Where unpacked code trees live on this worker, always set after validation."""
+        assert self.code_cache_dir is not None
+        return self.code_cache_dir
 
     @property
     def is_sqlite(self) -> bool:
