@@ -40,6 +40,11 @@ NOT_RETRIED = frozenset(
         "NotImplementedError",
         "PermissionError",
         "CheckpointMissing",
+        # The job's code archive is hostile, damaged or gone, or its command names no program.
+        "UnsafeArchive",
+        "CodeCorrupt",
+        "CodeMissing",
+        "CommandNotFound",
     }
 )
 

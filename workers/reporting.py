@@ -80,13 +80,16 @@ class Reporter:
         self._deleted: list[str] = []
         self._progress_dirty = False
 
-    def collect(self, *, final: bool = False) -> None:
-        """Read new lines from the ranks' files into the pending batch."""
+    def collect(self, *, final: bool = False) -> int:
+        """Read new lines from the ranks' files into the pending batch; returns how many there were."""
+        seen = 0
         for path, line in self.logs.read(final=final):
+            seen += 1
             self._logs.append(
                 {"job_id": self.job_id, "attempt": self.attempt, "rank": _rank_of(path), "line": line}
             )
         for path, line in self.events.read(final=final):
+            seen += 1
             try:
                 event = parse_event(line)
             except ValidationError as exc:
@@ -97,6 +100,7 @@ class Reporter:
                 )
                 continue
             self._apply(event)
+        return seen
 
     def _apply(self, event: Event) -> None:
         if isinstance(event, MetricsEvent):

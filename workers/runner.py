@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import subprocess
 import threading
 import time
@@ -31,9 +30,11 @@ from service.scheduling import repository as placement
 from workers.attempts import Attempt, end_abnormally, finish
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.events import TRACEBACK_TAIL_LINES
-from workers.engine.launch import SUPERVISOR_ENV, Rendezvous, supervisor_id, torchrun_command
+from workers.engine.launch import Rendezvous, torchrun_command
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
+from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
 from workers.reporting import Reporter
+from workers.watch import STALL_TIMEOUT_DEFAULT, Watch, stop_file
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ def _supervise(
     *, sessions: sessionmaker[Session], settings: Settings, run: NodeRun, paths: RunPaths
 ) -> JobStatus:
     att, spec = run.att, run.spec
-    job_id, token = att.job_id, att.token
+    job_id = att.job_id
     # Ranks of an earlier attempt of this job on this node whose worker died (torchrun runs in a
     # session of its own, so a SIGKILLed worker leaves them running) must not write checkpoints
     # beside ours. Only this node's: other nodes of the job may share this host (tests, small setups).
@@ -232,6 +233,30 @@ def _supervise(
     # Refused (ValueError, the launcher's error) rather than handed to the engine as `NaN`, which
     # Python's json reads back without a word: a spec with a non-finite number never runs.
     paths.spec_path.write_text(json.dumps(spec, indent=2, allow_nan=False))
+    try:
+        setup = prepare(
+            settings=settings,
+            spec=spec,
+            job_id=job_id,
+            attempt=att.number,
+            run_dir=paths.run_dir,
+            checkpoint_dir=paths.checkpoint_dir,
+        )
+    except SetupFailed as exc:
+        return end_abnormally(sessions, att=att, error=exc.error)
+    try:
+        return _launch(sessions=sessions, settings=settings, run=run, paths=paths, setup=setup)
+    finally:
+        if setup.run_as is not None:
+            take_back(run_dir=paths.run_dir, checkpoint_dir=paths.checkpoint_dir if run.is_primary else None)
+
+
+def _launch(
+    *, sessions: sessionmaker[Session], settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetup
+) -> JobStatus:
+    att, spec = run.att, run.spec
+    job_id, token = att.job_id, att.token
+    command = spec.get("command")
     cmd = torchrun_command(
         job_id=job_id,
         node=settings.node,
@@ -243,10 +268,11 @@ def _supervise(
         rendezvous=run.rendezvous,
         local_addr=run.address or None,
         device=spec["resources"].get("device", "cpu"),
+        command=command,
     )
     # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
     # rank free to use every core.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", SUPERVISOR_ENV: supervisor_id()}
+    env = setup.env
     if run.rendezvous is not None and (ifname := interface_of(run.address)):
         # Gloo and NCCL pick their interface from the host name, which may resolve to loopback (or to
         # another network): the one holding this node's address is the one its peers reach.
@@ -256,16 +282,27 @@ def _supervise(
     )
     max_runtime = spec.get("max_runtime_seconds")
     deadline = time.monotonic() + max_runtime if max_runtime else None
+    watch = Watch(
+        stall_seconds=float(spec.get("stall_timeout_seconds", STALL_TIMEOUT_DEFAULT)),
+        grace=settings.cancel_grace_seconds,
+        stop_file=stop_file(paths.run_dir) if command is not None else None,
+    )
+    run_as = setup.run_as.popen_args() if setup.run_as is not None else {}
     with paths.launcher_log.open("ab") as launcher_out:
         # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
         # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
         proc = subprocess.Popen(
-            cmd, stdout=launcher_out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=launcher_out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=setup.cwd,
+            start_new_session=True,
+            **run_as,
         )
     # For operators (and a recovering worker on another machine's tooling): which group to kill.
     with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
         paths.pid_file.write_text(f"{proc.pid}\n")
-    stopped_for: str | None = None
     try:
         last_flush = time.monotonic()
         while proc.poll() is None:
@@ -274,22 +311,26 @@ def _supervise(
             # reports batch on the regular tick.
             waiting = not reporter.state.latest_metrics
             time.sleep(FIRST_REPORT_POLL_SECONDS if waiting else settings.report_interval_seconds)
-            reporter.collect()
+            if reporter.collect():
+                watch.active()
             due = time.monotonic() - last_flush >= settings.report_interval_seconds
             if waiting and not due and not reporter.pending:
                 continue
             reporter.flush()
             last_flush = time.monotonic()
-            if stopped_for is None:
+            if watch.stopped_for is None:
                 if reporter.state.cancel_requested:
-                    stopped_for = "cancel"
+                    watch.stop("cancel")
                 elif reporter.state.fenced_out:
-                    stopped_for = "fenced"
+                    watch.stop("fenced")
                 elif deadline is not None and time.monotonic() > deadline:
-                    stopped_for = "deadline"
-                if stopped_for is not None:
-                    log.info("job %s: stopping its ranks (%s)", job_id, stopped_for)
-                    stop_group(proc, grace=settings.cancel_grace_seconds)
+                    watch.stop("deadline")
+                elif watch.stalled():
+                    watch.stop("stall")
+                if watch.stopped_for is not None:
+                    log.info("job %s: stopping its ranks (%s)", job_id, watch.stopped_for)
+            if watch.signal_due():
+                stop_group(proc, grace=settings.cancel_grace_seconds)
     finally:
         kill_group(proc)
         if left := sweep_ranks(job_id, node=settings.node):
@@ -308,7 +349,7 @@ def _supervise(
         reporter=reporter,
         run=run,
         rc=proc.returncode,
-        stopped_for=stopped_for,
+        stopped_for=watch.stopped_for,
         paths=paths,
         max_runtime=max_runtime,
     )
@@ -335,7 +376,14 @@ def _record_outcome(
         error = JobError(type="DeadlineExceeded", message=f"deadline exceeded ({max_runtime} s)")
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
         return JobStatus.FAILED
-    if rc == 0 and reporter.state.finished:
+    if stopped_for == "stall":
+        stall = run.spec.get("stall_timeout_seconds", STALL_TIMEOUT_DEFAULT)
+        message = f"no progress for {stall} s: no rank reported a step or wrote a log line"
+        return end_abnormally(sessions, att=att, error=JobError(type="Stalled", message=message))
+    # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
+    # says it finished, so a rank that exits 0 early is not mistaken for success.
+    done = reporter.state.finished or (run.spec.get("command") is not None and run.is_primary)
+    if rc == 0 and done:
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
         return JobStatus.SUCCEEDED
     if rc == 0 and run.nnodes > 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,21 @@ def timeline(sessions: sessionmaker[Session], job_id: str) -> list[tuple[str, st
 def statuses(sessions: sessionmaker[Session], job_id: str) -> list[str]:
     """The statuses the job went through, oldest first."""
     return [status for status, _ in timeline(sessions, job_id)]
+
+
+def run_in_thread(settings: Settings, job_id: str) -> tuple[threading.Thread, list[Any]]:
+    """`run_attempt` in a thread; its result is appended to the returned list when it ends."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(run_attempt(job_id=job_id, settings=settings)))
+    t.start()
+    return t, out
+
+
+def wait_step(sessions: sessionmaker[Session], job_id: str, step: int, timeout: float = 90) -> None:
+    """Wait until the job has reported `step`; AssertionError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if job_row(sessions, job_id).step >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not reach step {step} in {timeout} s")

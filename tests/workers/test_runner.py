@@ -17,7 +17,16 @@ from service.config import Settings
 from service.jobs import service
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
-from tests.workers.runs import job_row, node_fixtures, place_here, run_attempt, statuses, submit_as_admin
+from tests.workers.runs import (
+    job_row,
+    node_fixtures,
+    place_here,
+    run_attempt,
+    run_in_thread,
+    statuses,
+    submit_as_admin,
+    wait_step,
+)
 from workers import runner
 from workers.engine.checkpoint import checkpoint_files
 from workers.procs import rank_processes
@@ -88,27 +97,11 @@ def test_a_failing_launcher_fails_the_job_with_a_launcher_error(
     assert error == JobError(type="LauncherError", message="OSError: no space left for spec.json"), error
 
 
-def _run_in_thread(settings: Settings, job_id: str) -> tuple[threading.Thread, list[Any]]:
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(run_attempt(job_id=job_id, settings=settings)))
-    t.start()
-    return t, out
-
-
-def _wait_step(sessions: sessionmaker[Session], job_id: str, step: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if job_row(sessions, job_id).step >= step:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"job {job_id} did not reach step {step} in {timeout} s")
-
-
 @pytest.mark.e2e
 def test_cancel_stops_every_rank_of_a_runningjob_row(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
-    thread, out = _run_in_thread(settings, job_id)
-    _wait_step(sessions, job_id, 2)
+    thread, out = run_in_thread(settings, job_id)
+    wait_step(sessions, job_id, 2)
     assert len(rank_processes(job_id)) >= 2, "both ranks run with the job id on their command line"
     with sessions.begin() as s:
         admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
@@ -159,7 +152,7 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
 ) -> None:
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "hang:rank=1:step=2")
     job_id = _submit(sessions, engine={"collective_timeout_seconds": 5})
-    thread, out = _run_in_thread(settings, job_id)
+    thread, out = run_in_thread(settings, job_id)
     thread.join(timeout=120)
     assert not thread.is_alive(), "a stuck rank must end the job, not hang it"
     assert out == [JobStatus.FAILED]

@@ -6,12 +6,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # "pid:start time" of the process supervising the ranks (the worker's runner). Each rank exits when
 # it is gone: ranks of a SIGKILLed worker must not train on, writing checkpoints beside the next
 # attempt's, and torchrun runs in a session of its own, so the worker's death does not reach them.
 SUPERVISOR_ENV = "DPTRAIN_SUPERVISOR"
+# The unpacked code tree of a job with uploaded code: an entrypoint's module must come from there.
+CODE_DIR_ENV = "DPTRAIN_CODE_DIR"
 # The rank entry point, by absolute path: torchrun's --run-path wants a file, not a module name.
 ENGINE_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "main.py")
 
@@ -86,12 +89,14 @@ def torchrun_command(
     rendezvous: Rendezvous | None = None,
     local_addr: str | None = None,
     device: str = "cpu",
+    command: Sequence[str] | None = None,
 ) -> list[str]:
-    """The argv that launches `nproc` engine ranks on this node for one job (of `nnodes` nodes).
+    """The argv that launches `nproc` ranks on this node for one job (of `nnodes` nodes).
 
-    CPU ranks are forked from a warm agent (workers.engine.agent: torch imported once, not once per
-    rank); CUDA ranks start as fresh interpreters under plain torchrun, since CUDA does not survive
-    a fork of a process that may have touched the driver.
+    Engine ranks on CPU are forked from a warm agent (workers.engine.agent: torch imported once, not
+    once per rank); CUDA ranks start as fresh interpreters under plain torchrun, since CUDA does not
+    survive a fork of a process that may have touched the driver. A `command` job's ranks are
+    `workers.command_rank` under plain torchrun, each starting the user's program.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -103,6 +108,12 @@ def torchrun_command(
     else:
         where = rendezvous.args(nnodes) + ([f"--local-addr={local_addr}"] if local_addr else [])
     per_node = [*where, f"--nproc-per-node={nproc}"]
+    ids = ["--job-id", job_id, "--on-node", node, "--run-dir", os.fspath(run_dir)]
+    if command is not None:
+        # The user's program gets torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) as under
+        # their own torchrun; the wrapper keeps the job id on a command line procs can find.
+        run = ["torch.distributed.run", *per_node, "-m", "workers.command_rank"]
+        return [sys.executable, "-m", *run, *ids, "--", *command]
     if device == "cpu":
         # Each forked rank runs main.py by path (runpy); its arguments below stay on the agent's
         # command line, which is where procs.rank_processes looks for the job id.
@@ -113,15 +124,10 @@ def torchrun_command(
         sys.executable,
         "-m",
         *launcher,
-        "--job-id",
-        job_id,
-        # Which worker node's ranks these are: several nodes of a job may share a host.
-        "--on-node",
-        node,
+        # --on-node: which worker node's ranks these are (several nodes of a job may share a host).
+        *ids,
         "--spec",
         os.fspath(spec_path),
-        "--run-dir",
-        os.fspath(run_dir),
         "--checkpoint-dir",
         os.fspath(checkpoint_dir),
     ]

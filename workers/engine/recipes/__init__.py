@@ -6,9 +6,11 @@ import importlib
 import inspect
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from api_schemas import JobSpec, entrypoint_allowed
+from workers.engine.launch import CODE_DIR_ENV
 from workers.engine.recipes import cnn_bn, lstm_lm, mlp, partial_fc, sparse_embedding
 from workers.engine.recipes.plan import Plan
 
@@ -27,22 +29,39 @@ __all__ = ["RECIPES", "Plan", "RecipeBuilder", "builder_of", "load_entrypoint", 
 ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
 
 
-def load_entrypoint(entrypoint: str, allowed: str | None = None) -> RecipeBuilder:
-    """Import `package.module:function`, refusing modules outside DPTRAIN_ALLOWED_ENTRYPOINTS.
+def load_entrypoint(
+    entrypoint: str, allowed: str | None = None, code_dir: str | None = None
+) -> RecipeBuilder:
+    """Import `package.module:function` from the job's uploaded code tree or an allowed prefix.
 
-    The API refuses such a spec already; the worker checks again with its own setting, because it
-    is the worker that runs the code. Only a public function defined in that module is called: not
-    a class, and not a name the module merely imported (`os:system` under an allowed `os` prefix).
+    With uploaded code (DPTRAIN_CODE_DIR, the unpacked tree on the ranks' PYTHONPATH) the module must
+    be a file of that tree, not a module of the worker's that happens to share its name. Without,
+    it must lie under DPTRAIN_ALLOWED_ENTRYPOINTS: the API refuses such a spec already; the worker
+    checks again with its own setting, because it is the worker that runs the code. Only a public
+    function defined in that module is called: not a class, and not a name the module merely
+    imported (`os:system` under an allowed `os` prefix).
     """
-    setting = allowed if allowed is not None else os.environ.get(ALLOWED_ENTRYPOINTS_ENV, "")
-    prefixes = [p.strip() for p in setting.split(",") if p.strip()]
-    if not entrypoint_allowed(entrypoint, prefixes):
-        shown = ", ".join(prefixes) or "none"
-        raise PermissionError(
-            f"entrypoint {entrypoint!r} is not under an allowed prefix ({ALLOWED_ENTRYPOINTS_ENV}: {shown})"
-        )
+    tree = code_dir if code_dir is not None else os.environ.get(CODE_DIR_ENV, "")
     module_name, _, func_name = entrypoint.partition(":")
-    builder = getattr(importlib.import_module(module_name), func_name, None)
+    if tree:
+        module = importlib.import_module(module_name)
+        where = getattr(module, "__file__", None)
+        if where is None or not Path(where).resolve().is_relative_to(Path(tree).resolve()):
+            raise PermissionError(
+                f"entrypoint {entrypoint!r}: module {module_name} is not a file of the uploaded code "
+                f"({where or 'built in'})"
+            )
+    else:
+        setting = allowed if allowed is not None else os.environ.get(ALLOWED_ENTRYPOINTS_ENV, "")
+        prefixes = [p.strip() for p in setting.split(",") if p.strip()]
+        if not entrypoint_allowed(entrypoint, prefixes):
+            shown = ", ".join(prefixes) or "none"
+            raise PermissionError(
+                f"entrypoint {entrypoint!r} is not under an allowed prefix "
+                f"({ALLOWED_ENTRYPOINTS_ENV}: {shown})"
+            )
+        module = importlib.import_module(module_name)
+    builder = getattr(module, func_name, None)
     if func_name.startswith("_") or not inspect.isfunction(builder) or builder.__module__ != module_name:
         raise ValueError(f"entrypoint {entrypoint!r}: {module_name} defines no public function {func_name!r}")
     return builder  # type: ignore[no-any-return]

@@ -1,0 +1,182 @@
+"""Command jobs: the user's own DDP script, unmodified, from an uploaded tree, on 2 ranks under the runner.
+
+The script (tests/fixtures/ddp_script/train.py) uses torch and the `dptrain` SDK only; these tests
+run attempts in this process as a worker node would, on real rank processes and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobError, JobStatus
+from dptrain_cli.workdir import pack
+from service.app import create_app
+from service.auth.tokens import ensure_bootstrap_admin
+from service.code.storage import archive_path
+from service.config import Settings
+from service.jobs import repository, service
+from service.models import LogLine, Metric
+from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
+from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, wait_step
+from workers.procs import rank_processes
+
+pytestmark = pytest.mark.e2e
+
+settings, sessions = node_fixtures()
+SCRIPT_TREE = Path(__file__).resolve().parents[1] / "fixtures" / "ddp_script"
+
+
+@pytest.fixture(scope="module")
+def code_sha(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The script's tree, packed and stored where `PUT /v1/code/{sha256}` would have put it."""
+    packed = pack(SCRIPT_TREE, tmp_path_factory.mktemp("pack") / "code.tar.gz")
+    dest = archive_path(settings.artifacts, packed.sha256)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(packed.path, dest)
+    return packed.sha256
+
+
+@pytest.fixture(scope="module")
+def api(settings: Settings) -> Iterator[TestClient]:
+    """The API on the node's database, as the admin (to download what the runner recorded)."""
+    app = create_app(
+        settings.model_copy(update={"bootstrap_token": ADMIN_TOKEN}), scheduler=RecordingScheduler()
+    )
+    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as client:
+        yield client
+
+
+def _submit(sessions: sessionmaker[Session], code_sha: str, *args: str, **over: Any) -> str:
+    spec: dict[str, Any] = {
+        "name": "script",
+        "command": ["python", "train.py", *args],
+        "code": {"sha256": code_sha},
+        "resources": {"processes_per_node": 2},
+        "hyperparameters": {"steps": 6},
+        "checkpoint": {"keep_last": 2},
+    }
+    spec.update(over)
+    return submit_as_admin(sessions, spec)
+
+
+def _logs(sessions: sessionmaker[Session], job_id: str) -> list[LogLine]:
+    with sessions() as s:
+        return list(s.query(LogLine).filter_by(job_id=job_id).order_by(LogLine.id))
+
+
+def _wait_gone(job_id: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while rank_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rank_processes(job_id) == [], f"rank processes still alive {seconds} s later"
+
+
+def test_a_ddp_script_reports_metrics_checkpoints_and_per_rank_logs(
+    settings: Settings, sessions: sessionmaker, code_sha: str, api: TestClient
+) -> None:
+    job_id = _submit(sessions, code_sha, "--steps", "6")
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
+    job = job_row(sessions, job_id)
+    assert job.status == "succeeded" and job.step == 6, (job.status, job.step, job.error)
+    with sessions() as s:
+        losses = s.query(Metric).filter_by(job_id=job_id, name="loss").count()
+        checkpoints = repository.checkpoints(s, job_id=job_id)
+    assert losses == 6, "one loss point per reported step"
+    assert [c.step for c in checkpoints] == [4, 6], "keep_last=2 of the SDK's checkpoints every 2 steps"
+    for ckpt in checkpoints:
+        r = api.get(f"/v1/jobs/{job_id}/checkpoints/{ckpt.id}/download")
+        assert r.status_code == 200
+        assert hashlib.sha256(r.content).hexdigest() == ckpt.sha256 == r.headers["X-Checkpoint-SHA256"]
+    ranks = {line.rank for line in _logs(sessions, job_id)}
+    assert {0, 1} <= ranks, f"both ranks' output is in the job's log, got ranks {ranks}"
+
+
+def test_a_sigkilled_rank_restarts_and_resumes_from_its_sdk_checkpoint(
+    settings: Settings, sessions: sessionmaker, code_sha: str
+) -> None:
+    job_id = _submit(sessions, code_sha, "--steps", "40", "--step-seconds", "0.1", max_restarts=1)
+    thread, out = run_in_thread(settings, job_id)
+    wait_step(sessions, job_id, 5)
+    # The user's program of rank 1: a child of the rank wrapper whose RANK is 1.
+    wrappers = [p for p in rank_processes(job_id) if "workers.command_rank" in " ".join(p.cmdline())]
+    rank1 = next(p for p in wrappers if p.environ().get("RANK") == "1")
+    for child in rank1.children():
+        child.send_signal(signal.SIGKILL)
+    thread.join(timeout=120)
+    assert out == [JobStatus.QUEUED], "the attempt ends with a restart"
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
+    job = job_row(sessions, job_id)
+    assert job.status == "succeeded" and job.attempt == 2 and job.step == 40
+    second = [line.line for line in _logs(sessions, job_id) if line.attempt == 2 and line.rank == 0]
+    assert any("resumed from step" in line for line in second), "the restart resumed from a checkpoint"
+    assert rank_processes(job_id) == []
+
+
+def test_cancel_asks_the_script_to_stop_and_it_checkpoints_first(
+    settings: Settings, sessions: sessionmaker, code_sha: str
+) -> None:
+    job_id = _submit(sessions, code_sha, "--steps", "100000", "--step-seconds", "0.05")
+    thread, out = run_in_thread(settings, job_id)
+    wait_step(sessions, job_id, 3)
+    with sessions.begin() as s:
+        service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
+    # The script sees should_stop() and exits by itself; SIGTERM follows only after the grace.
+    _wait_gone(job_id, settings.cancel_grace_seconds * 2 + 5)
+    thread.join(timeout=60)
+    assert out == [JobStatus.CANCELLED]
+    with sessions() as s:
+        steps = [c.step for c in repository.checkpoints(s, job_id=job_id)]
+    assert steps and steps[-1] % 2 == 1 or job_row(sessions, job_id).step in steps, (
+        "the script saved a checkpoint of the step it stopped at"
+    )
+    assert any("stopping at step" in line.line for line in _logs(sessions, job_id))
+
+
+def test_the_ranks_see_no_secret_of_the_worker(
+    settings: Settings, sessions: sessionmaker, code_sha: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DPTRAIN_DATABASE_URL", settings.database_url)
+    monkeypatch.setenv("DPTRAIN_BROKER_URL", "amqp://guest:secret-broker@127.0.0.1//")
+    monkeypatch.setenv("DPTRAIN_BOOTSTRAP_TOKEN", "secret-bootstrap-token-0123456789")
+    monkeypatch.setenv("DPTRAIN_TOKEN", "secret-client-token")
+    job_id = _submit(
+        sessions,
+        code_sha,
+        "--steps",
+        "1",
+        "--print-env",
+        resources={"processes_per_node": 1},
+        env={"MY_SETTING": "visible"},
+    )
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
+    printed = "\n".join(line.line for line in _logs(sessions, job_id))
+    assert "MY_SETTING=visible" in printed, "the job's own env reaches the script"
+    assert "RANK=0" in printed and "MASTER_ADDR=" in printed, "torchrun's variables reach it"
+    for secret in ("secret-broker", "secret-bootstrap-token", "secret-client-token", settings.database_url):
+        assert secret not in printed, f"{secret!r} leaked into a rank's environment"
+    assert "DPTRAIN_DATABASE_URL" not in printed and "DPTRAIN_BROKER_URL" not in printed
+
+
+def test_a_script_that_hangs_ends_after_the_stall_timeout_with_no_process_left(
+    settings: Settings, sessions: sessionmaker, code_sha: str
+) -> None:
+    job_id = _submit(sessions, code_sha, "--sleep-forever", stall_timeout_seconds=10)
+    started = time.monotonic()
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
+    took = time.monotonic() - started
+    error = JobError.model_validate(job_row(sessions, job_id).error)
+    assert error.type == "Stalled" and "no progress for 10 s" in error.message, error
+    assert took < 10 + settings.cancel_grace_seconds + 30, f"ended {took:.0f} s after it started"
+    assert rank_processes(job_id) == []
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "--sleep-forever" in (p.info["cmdline"] or [])]

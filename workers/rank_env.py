@@ -1,0 +1,73 @@
+"""The environment a job's ranks get: built from an allow-list, never the worker's whole environment.
+
+The worker holds secrets (database URL, broker URL, bootstrap token, every other DPTRAIN_* setting)
+that user code must never see, so nothing is inherited by default: only the variables below, what
+dptrain itself sets for the ranks, and the job's own `env`. torchrun adds its own (RANK, WORLD_SIZE,
+MASTER_ADDR, ...) when it starts each rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+# Passed through from the worker's environment: locale, time zone, terminal, and how the host's
+# accelerators, collectives and thread pools are set up (operator settings, not secrets).
+PASSED_THROUGH = (
+    "LANG",
+    "LANGUAGE",
+    "LC_*",
+    "TZ",
+    "TERM",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "NVIDIA_VISIBLE_DEVICES",
+    "NCCL_*",
+    "GLOO_*",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "TORCH_NCCL_*",
+    "TORCH_DISTRIBUTED_DEBUG",
+    # Operator settings the engine reads itself: which pre-installed modules an entrypoint may name,
+    # and the fault injection the reliability tests use. Neither grants anything to user code.
+    "DPTRAIN_ALLOWED_ENTRYPOINTS",
+    "DPTRAIN_FAULT_*",
+)
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def _passed(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in PASSED_THROUGH)
+
+
+def rank_environment(
+    *,
+    worker_env: Mapping[str, str],
+    dptrain: Mapping[str, str],
+    user: Mapping[str, str],
+    home: Path,
+    code_dir: Path | None,
+) -> dict[str, str]:
+    """The ranks' environment: allow-listed worker variables, then the user's, then dptrain's own.
+
+    `dptrain` (the SDK's and the engine's variables) wins over `user`, whose names the spec already
+    keeps out of DPTRAIN_*, LD_*, PYTHON* and torchrun's. PATH starts with the worker interpreter's
+    directory, so `python` and `torchrun` are the worker's; HOME and TMPDIR are the attempt's own.
+    """
+    env = {k: v for k, v in worker_env.items() if _passed(k)}
+    env.update(user)
+    env |= {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{SYSTEM_PATH}",
+        "HOME": str(home),
+        "TMPDIR": str(home / "tmp"),
+        "PYTHONUNBUFFERED": "1",
+        # Python caches bytecode beside the sources; the code tree is read-only and shared.
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    if code_dir is not None:
+        env["PYTHONPATH"] = str(code_dir)
+    env.update(dptrain)
+    return env

@@ -1,0 +1,143 @@
+"""What a node prepares before its ranks start: the code tree, the environment, and whose they are.
+
+Kept apart from the runner's supervision loop: everything here happens once per attempt and node,
+before torchrun starts, and anything that fails here fails the attempt with an error naming why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api_schemas import JobError
+from service.code.storage import archive_path
+from service.config import Settings
+from workers.code_cache import CodeArchiveError, unpack_cached
+from workers.engine.launch import CODE_DIR_ENV, SUPERVISOR_ENV, supervisor_id
+from workers.rank_env import rank_environment
+
+
+class SetupFailed(Exception):
+    """The ranks cannot start; `error` says why (the job's error)."""
+
+    def __init__(self, error: JobError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """The unprivileged user the ranks run as (DPTRAIN_RUN_AS)."""
+
+    name: str
+    uid: int
+    gid: int
+
+    @classmethod
+    def named(cls, name: str) -> RunAs:
+        """The user `name` of this host; SetupFailed if there is none."""
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            message = f"DPTRAIN_RUN_AS names no user of this host: {name!r}"
+            raise SetupFailed(JobError(type="LauncherError", message=message)) from None
+        return cls(name=name, uid=entry.pw_uid, gid=entry.pw_gid)
+
+    def popen_args(self) -> dict[str, Any]:
+        """subprocess.Popen's arguments that start torchrun (and so every rank) as this user."""
+        # umask 077: what the ranks write (checkpoints, logs) is theirs and the worker's alone.
+        return {"user": self.uid, "group": self.gid, "extra_groups": [], "umask": 0o077}
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Where and how the ranks of one node of an attempt start."""
+
+    cwd: Path
+    env: dict[str, str]
+    run_as: RunAs | None
+    code_dir: Path | None
+
+
+def unpack_code(settings: Settings, spec: dict[str, Any]) -> Path | None:
+    """The job's unpacked code tree (unpacked once per sha256 on this host), None for a job without code."""
+    code = spec.get("code")
+    if not code:
+        return None
+    sha256 = code["sha256"]
+    try:
+        return unpack_cached(
+            archive=archive_path(settings.artifacts, sha256),
+            sha256=sha256,
+            cache_dir=settings.code_cache,
+            max_unpacked_bytes=settings.code_max_unpacked_bytes,
+        )
+    except CodeArchiveError as exc:
+        raise SetupFailed(JobError(type=type(exc).__name__, message=str(exc))) from exc
+
+
+def prepare(
+    *,
+    settings: Settings,
+    spec: dict[str, Any],
+    job_id: str,
+    attempt: int,
+    run_dir: Path,
+    checkpoint_dir: Path,
+) -> RankSetup:
+    """Unpack the code, hand the attempt's directories to DPTRAIN_RUN_AS, build the ranks' environment."""
+    code_dir = unpack_code(settings, spec)
+    home = run_dir / "home"
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    run_as = RunAs.named(settings.run_as) if settings.run_as else None
+    if run_as is not None:
+        _hand_over(run_as, settings=settings, run_dir=run_dir, checkpoint_dir=checkpoint_dir)
+    ours = {
+        "DPTRAIN_JOB_ID": job_id,
+        "DPTRAIN_ATTEMPT": str(attempt),
+        "DPTRAIN_RUN_DIR": str(run_dir),
+        "DPTRAIN_CHECKPOINT_DIR": str(checkpoint_dir),
+        "DPTRAIN_KEEP_LAST": str(spec.get("checkpoint", {}).get("keep_last", 3)),
+        SUPERVISOR_ENV: supervisor_id(),
+    }
+    if code_dir is not None:
+        ours[CODE_DIR_ENV] = str(code_dir)
+    env = rank_environment(
+        worker_env=os.environ, dptrain=ours, user=spec.get("env") or {}, home=home, code_dir=code_dir
+    )
+    return RankSetup(cwd=code_dir or run_dir, env=env, run_as=run_as, code_dir=code_dir)
+
+
+def _chown_tree(top: Path, uid: int, gid: int) -> None:
+    for root, dirs, files in os.walk(top):
+        for name in (*dirs, *files):
+            with contextlib.suppress(FileNotFoundError):
+                os.lchown(os.path.join(root, name), uid, gid)
+    os.chown(top, uid, gid)
+
+
+def _hand_over(run_as: RunAs, *, settings: Settings, run_dir: Path, checkpoint_dir: Path) -> None:
+    # The run-as user may pass through the artifact root, the jobs folder and this job's folder
+    # (0711: enter, not list, so other jobs' names stay hidden) and owns this attempt's run
+    # directory and the job's checkpoints (0700). Other jobs' folders are the worker's again once
+    # their attempts end (`take_back`), so their checkpoints cannot be read.
+    job_dir = checkpoint_dir.parent
+    for folder in (settings.artifacts, settings.artifacts / "jobs", job_dir, run_dir.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, 0o711)
+    for owned in (run_dir, checkpoint_dir):
+        _chown_tree(owned, run_as.uid, run_as.gid)
+        os.chmod(owned, 0o700)
+
+
+def take_back(*, run_dir: Path, checkpoint_dir: Path | None) -> None:
+    """Make an ended attempt's files the worker's again, unreadable to the run-as user's later ranks."""
+    uid, gid = os.getuid(), os.getgid()
+    for owned in (run_dir, checkpoint_dir):
+        if owned is not None and owned.exists():
+            _chown_tree(owned, uid, gid)
+            os.chmod(owned, 0o700)

@@ -1,0 +1,68 @@
+"""Why and when a node stops its ranks: cancel, deadline, fencing, or no progress at all (a stall).
+
+A hung rank never fails on its own (a collective waiting on a dead peer, a script blocked on I/O),
+so silence is a failure too: no step reported and no log line written for the job's
+`stall_timeout_seconds` ends the attempt. A command job is asked first (the SDK's `should_stop()`
+sees the stop file) and signalled only after the grace period, so it can checkpoint and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from api_schemas import JobSpec
+
+STALL_TIMEOUT_DEFAULT: int = JobSpec.model_fields["stall_timeout_seconds"].default
+# Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
+# owns the job; stall: nobody is listening) signal at once.
+ASKED_FIRST = frozenset({"cancel", "deadline"})
+
+
+def stop_file(run_dir: Path) -> Path:
+    """The file whose existence tells the SDK's `should_stop()` to return True."""
+    return run_dir / "stop"
+
+
+class Watch:
+    """The stop decision of one node's run: its reason, and when to signal torchrun's group."""
+
+    def __init__(
+        self,
+        *,
+        stall_seconds: float,
+        grace: float,
+        stop_file: Path | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stall_seconds, self.grace, self.stop_file, self.clock = stall_seconds, grace, stop_file, clock
+        self.stopped_for: str | None = None
+        self._last_activity = clock()
+        self._signal_at: float | None = None
+
+    def active(self) -> None:
+        """A rank reported something or wrote a log line: not stalled."""
+        self._last_activity = self.clock()
+
+    def stalled(self) -> bool:
+        """Whether nothing has been heard from the ranks for the stall timeout."""
+        return self.clock() - self._last_activity > self.stall_seconds
+
+    def stop(self, reason: str) -> None:
+        """Decide to stop the ranks for `reason`: ask a command job first, else signal at once."""
+        self.stopped_for = reason
+        delay = 0.0
+        if self.stop_file is not None and reason in ASKED_FIRST:
+            with contextlib.suppress(OSError):  # unable to ask: the signal still comes
+                self.stop_file.touch()
+                delay = self.grace
+        self._signal_at = self.clock() + delay
+
+    def signal_due(self) -> bool:
+        """True once, when the ranks' grace to stop by themselves is over."""
+        if self._signal_at is None or self.clock() < self._signal_at:
+            return False
+        self._signal_at = None
+        return True
