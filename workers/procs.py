@@ -50,20 +50,40 @@ def rank_processes(job_id: str, *, node: str | None = None) -> list[psutil.Proce
 
 
 def sweep_ranks(job_id: str, *, node: str | None = None) -> int:
-    """SIGKILL any rank of `job_id` (of worker node `node`) still alive and wait for it; returns how many.
+    """SIGKILL the live ranks of `job_id` (of node `node`) and their process groups; returns how many.
 
     Every rank leads a session of its own (plain torchrun starts CUDA ranks so; a rank forked by
     workers.engine.agent calls setsid), so killing torchrun's group does not reach a rank whose
     torchrun died first; the job id on every rank's command line does (a rank forked by
-    workers.engine.agent shows the agent's, which carries it too). Several nodes of one job may
-    share a host, so a node sweeps only what carries its own `--node`.
+    workers.engine.agent shows the agent's, which carries it too). A command job's rank is
+    workers.command_rank, whose child, the user's program, carries no job id but runs in the
+    rank's process group: the group finds it. Several nodes of one job may share a host, so a node
+    sweeps only what carries its own `--node`.
     """
-    procs = rank_processes(job_id, node=node)
+    procs = _with_groups(rank_processes(job_id, node=node))
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     psutil.wait_procs(procs, timeout=10)
     return len(procs)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _with_groups(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """`procs` and every other process in their process groups (never the caller's own group)."""
+    groups = {_pgid(p.pid) for p in procs} - {None, os.getpgrp()}
+    found = {p.pid: p for p in procs}
+    if groups:
+        for p in psutil.process_iter():
+            if p.pid not in found and _pgid(p.pid) in groups:
+                found[p.pid] = p
+    return list(found.values())
 
 
 def interface_of(address: str) -> str | None:

@@ -22,6 +22,7 @@ from typing import IO, Any, Protocol, cast
 
 import xxhash
 
+from workers.engine.events import CheckpointEvent
 from workers.engine.hashed_file import HashedFileWriter
 
 # ASCII digits only (`\d` takes any Unicode digit), matched whole (`$` also matches before a newline).
@@ -169,6 +170,16 @@ class SavedCheckpoint:
     sha256: str
     deleted: list[Path] = field(default_factory=list)
 
+    def event(self) -> CheckpointEvent:
+        """The event that tells the runner of this save (a job checkpoint row, and the pruned ones gone)."""
+        return CheckpointEvent(
+            step=self.step,
+            path=str(self.path),
+            size_bytes=self.size_bytes,
+            sha256=self.sha256,
+            deleted=[str(p) for p in self.deleted],
+        )
+
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
@@ -183,7 +194,13 @@ class CheckpointManager:
     """Saves full training state from rank 0, keeps the newest `keep_last`, loads with fallback."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], keep_last: int, is_main: bool, every_steps: int = 1
+        self,
+        directory: str | os.PathLike[str],
+        keep_last: int,
+        is_main: bool,
+        every_steps: int = 1,
+        *,
+        training_state: bool = True,
     ) -> None:
         if keep_last < 1 or every_steps < 1:
             raise ValueError(f"keep_last ({keep_last}) and every_steps ({every_steps}) must be >= 1")
@@ -191,6 +208,9 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.is_main = is_main
         self.every_steps = every_steps
+        # The engine's checkpoints are training states ('model' and an int 'iter'), which read()
+        # checks; the SDK's (dptrain.save_checkpoint) are whatever dict the user's script saved.
+        self.training_state = training_state
         self._unlinker: ThreadPoolExecutor | None = None
         self._unlinking: list[Future[None]] = []
         if is_main:
@@ -301,7 +321,7 @@ class CheckpointManager:
             unlinked.result()
 
     def read(self, step: int) -> LoadedCheckpoint:
-        """Load and verify one checkpoint; raises if missing, corrupt or not a training state."""
+        """Load and verify one checkpoint; raises if missing, corrupt or not the state expected."""
         import torch  # here, not at the top: see the module's docstring
 
         path = self.path_for(step)
@@ -322,7 +342,9 @@ class CheckpointManager:
         # consumer's (load_state_dict). They are the hashed bytes because a checkpoint is never
         # rewritten in place: saves write aside and rename, pruning unlinks.
         state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
-        if not isinstance(state, dict) or "model" not in state or not isinstance(state.get("iter"), int):
+        if not isinstance(state, dict):
+            raise ValueError(f"{path.name}: not a checkpoint (holds a {type(state).__name__}, not a dict)")
+        if self.training_state and ("model" not in state or not isinstance(state.get("iter"), int)):
             raise ValueError(f"{path.name}: not a training checkpoint (needs 'model' and an int 'iter')")
         return LoadedCheckpoint(step=step, path=path, state=state)
 

@@ -17,7 +17,7 @@ from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.data import GlobalBatchSampler, MapDataset
-from workers.engine.events import CheckpointEvent, EventWriter, FinishedEvent, StartedEvent
+from workers.engine.events import EventWriter, FinishedEvent, StartedEvent
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
@@ -342,12 +342,4 @@ class Trainer:
         saved = self.checkpoints.save(self.iter, self.state_dict(), last=last)
         if saved is None:
             return
-        self.events.emit(
-            CheckpointEvent(
-                step=saved.step,
-                path=str(saved.path),
-                size_bytes=saved.size_bytes,
-                sha256=saved.sha256,
-                deleted=[str(p) for p in saved.deleted],
-            )
-        )
+        self.events.emit(saved.event())

@@ -1,0 +1,177 @@
+"""dptrain's SDK for your own training script: report metrics, save and resume checkpoints, stop on cancel.
+
+A job with `command: ["python", "train.py"]` runs your script on every rank under dptrain's
+torchrun; these calls connect it to the service. Outside dptrain (no DPTRAIN_RUN_DIR, e.g. under
+plain `torchrun`) each is a harmless no-op, so the same script runs anywhere::
+
+    import dptrain
+
+    state = dptrain.load_checkpoint()            # every rank: the newest verified checkpoint, or None
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"] + 1
+    for step in range(start, steps):
+        loss = train_step(model, optimizer)
+        dptrain.report(step, loss=loss.item())   # rank 0: a metrics point; the job's progress
+        if step % 100 == 0 or dptrain.should_stop():
+            dptrain.save_checkpoint(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, step
+            )
+        if dptrain.should_stop():                # cancelled or past its deadline: leave, exit code 0
+            break
+
+Only rank 0 (torchrun's RANK) writes: `report` and `save_checkpoint` do nothing on other ranks, so
+call them on every rank. Importing this package does not import torch; saving and loading do.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from operator import index
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dptrain._env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, stop_file
+
+if TYPE_CHECKING:
+    from workers.engine.checkpoint import CheckpointManager
+    from workers.engine.events import EventWriter
+
+__all__ = ["is_active", "load_checkpoint", "report", "save_checkpoint", "should_stop"]
+
+# Used when the runner leaves DPTRAIN_KEEP_LAST unset (it always sets it); the spec's default.
+_DEFAULT_KEEP_LAST = 3
+
+
+@dataclass
+class _Run:
+    """This process's view of its dptrain run, built from the environment on first use."""
+
+    run_dir: Path
+    rank: int
+    checkpoint_dir: Path | None
+    keep_last: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    events: EventWriter | None = None
+    checkpoints: CheckpointManager | None = None
+
+    def writer(self) -> EventWriter:
+        """Rank 0's event writer (opened once, kept open: a report is one line and one flush)."""
+        from workers.engine.events import EventWriter, events_path
+
+        if self.events is None:
+            self.events = EventWriter(events_path(self.run_dir, self.rank), self.rank)
+        return self.events
+
+    def manager(self) -> CheckpointManager:
+        """The checkpoint directory's manager (rank 0's sweeps temp files left by a killed save)."""
+        from workers.engine.checkpoint import CheckpointManager
+
+        if self.checkpoints is None:
+            if self.checkpoint_dir is None:
+                raise RuntimeError(f"{CHECKPOINT_DIR_ENV} is not set: dptrain has no checkpoint directory")
+            self.checkpoints = CheckpointManager(
+                self.checkpoint_dir, self.keep_last, self.rank == 0, training_state=False
+            )
+        return self.checkpoints
+
+
+_lock = threading.Lock()
+_current: tuple[tuple[Any, ...], _Run] | None = None
+
+
+def _run() -> _Run | None:
+    """The run this process belongs to, None outside dptrain; rebuilt if the environment changed."""
+    global _current
+    env = os.environ
+    if not env.get(RUN_DIR_ENV):
+        return None
+    # The pid too: a forked child (a DataLoader worker) opens files of its own.
+    key = (os.getpid(), *(env.get(name) for name in (RUN_DIR_ENV, "RANK", CHECKPOINT_DIR_ENV, KEEP_LAST_ENV)))
+    with _lock:
+        if _current is not None and _current[0] == key:
+            return _current[1]
+        if _current is not None and _current[0][0] == os.getpid() and _current[1].events is not None:
+            _current[1].events.close()
+        run = _Run(
+            run_dir=Path(env[RUN_DIR_ENV]),
+            rank=int(env.get("RANK", "0")),
+            checkpoint_dir=Path(env[CHECKPOINT_DIR_ENV]) if env.get(CHECKPOINT_DIR_ENV) else None,
+            keep_last=int(env.get(KEEP_LAST_ENV) or _DEFAULT_KEEP_LAST),
+        )
+        _current = key, run
+        return run
+
+
+def is_active() -> bool:
+    """Whether this process runs under dptrain (the other functions are no-ops when it does not)."""
+    return bool(os.environ.get(RUN_DIR_ENV))
+
+
+def _metric(name: str, value: Any) -> float:
+    # A bool is an int to Python, and float() takes strings: neither is a measurement.
+    if isinstance(value, (bool, str, bytes)) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        raise TypeError(f"metric {name!r} must be a number, not {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:  # a tensor of several values raises either
+        raise TypeError(f"metric {name!r} must be a number, not {type(value).__name__}") from exc
+
+
+def _step(step: Any) -> int:
+    if isinstance(step, bool):
+        raise TypeError("step must be an int, not bool")
+    return index(step)  # ints, numpy and 0-d torch integers
+
+
+def report(step: int, **metrics: float) -> None:
+    """Record `metrics` (numbers, 0-d tensors, numpy scalars) at `step`; on rank 0, the job's progress."""
+    run = _run()
+    if run is None or run.rank != 0:
+        return
+    from workers.engine.events import MetricsEvent
+
+    event = MetricsEvent(step=_step(step), values={k: _metric(k, v) for k, v in metrics.items()})
+    with run.lock:
+        run.writer().emit(event)
+
+
+def save_checkpoint(state: Mapping[str, Any], step: int) -> str | None:
+    """Save `state` (torch.save-able, loadable with weights_only) as the checkpoint of `step`.
+
+    Written atomically with its checksums by rank 0, which keeps the newest `keep_last` of the
+    job's; returns the file's path there, None on other ranks and outside dptrain.
+    """
+    run = _run()
+    if run is None or run.rank != 0:
+        return None
+    with run.lock:
+        saved = run.manager().save(_step(step), state)
+        assert saved is not None  # rank 0, and every step is due (every_steps=1)
+        run.writer().emit(saved.event())
+    return str(saved.path)
+
+
+def load_checkpoint() -> dict[str, Any] | None:
+    """The newest checkpoint of this job that verifies (older ones if it does not), None if none.
+
+    On every rank. Loaded like `torch.load(path, weights_only=True, map_location="cpu")`; raises
+    when checkpoints exist but none verifies, rather than start over and prune them.
+    """
+    run = _run()
+    if run is None:
+        return None
+    with run.lock:
+        loaded = run.manager().load()
+    return None if loaded is None else loaded.state
+
+
+def should_stop() -> bool:
+    """Whether dptrain asks this run to stop (cancel or deadline): save a checkpoint and exit 0."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return stop_file(run_dir).exists() if run_dir else False

@@ -1,0 +1,60 @@
+"""The environment of a command job's ranks: the names the runner sets and the SDK reads, defined once.
+
+Torch-free and cheap to import: the Celery worker's runner builds the environment from these, the
+ranks' SDK (`dptrain`) and wrapper (`workers.command_rank`) read it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from workers.engine.launch import SUPERVISOR_ENV
+
+__all__ = [
+    "ATTEMPT_ENV",
+    "CHECKPOINT_DIR_ENV",
+    "JOB_ID_ENV",
+    "KEEP_LAST_ENV",
+    "RUN_DIR_ENV",
+    "STOP_FILE_NAME",
+    "SUPERVISOR_ENV",
+    "sdk_env",
+    "stop_file",
+]
+
+JOB_ID_ENV = "DPTRAIN_JOB_ID"
+ATTEMPT_ENV = "DPTRAIN_ATTEMPT"
+# Per attempt and node: events/ and logs/ live here. Its presence is what makes the SDK active.
+RUN_DIR_ENV = "DPTRAIN_RUN_DIR"
+# Per job, shared by its attempts, on storage every node sees: all ranks load from it.
+CHECKPOINT_DIR_ENV = "DPTRAIN_CHECKPOINT_DIR"
+KEEP_LAST_ENV = "DPTRAIN_KEEP_LAST"
+# The runner creates RUN_DIR/STOP_FILE_NAME on cancel or deadline, `cancel_grace_seconds` before
+# it SIGTERMs the ranks: a script that polls `dptrain.should_stop()` saves and leaves in time.
+STOP_FILE_NAME = "stop"
+
+
+def stop_file(run_dir: str | os.PathLike[str]) -> Path:
+    """The file whose existence asks the ranks of the attempt in `run_dir` to save and stop."""
+    return Path(run_dir) / STOP_FILE_NAME
+
+
+def sdk_env(
+    *,
+    job_id: str,
+    attempt: int,
+    run_dir: str | os.PathLike[str],
+    checkpoint_dir: str | os.PathLike[str],
+    keep_last: int,
+    supervisor: str,
+) -> dict[str, str]:
+    """The SDK's variables for one node of one attempt (to add to the ranks' environment)."""
+    return {
+        JOB_ID_ENV: job_id,
+        ATTEMPT_ENV: str(attempt),
+        RUN_DIR_ENV: os.fspath(run_dir),
+        CHECKPOINT_DIR_ENV: os.fspath(checkpoint_dir),
+        KEEP_LAST_ENV: str(keep_last),
+        SUPERVISOR_ENV: supervisor,
+    }

@@ -1,0 +1,180 @@
+"""One rank of a command job: run the user's own program, log its output, report how it ended.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m workers.command_rank \
+        --job-id J --on-node NODE --run-dir RUN_DIR -- python train.py --epochs 1
+
+The job id stays on this wrapper's command line, where procs.rank_processes finds it; the user's
+program, its child, runs in the wrapper's process group, which procs.sweep_ranks kills whole.
+The program reports through the SDK (`import dptrain`) itself; this wrapper adds what only an
+outside observer can tell: its exit, as an error event when it failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+from dptrain._env import SUPERVISOR_ENV
+from workers.engine.events import TRACEBACK_TAIL_LINES, ErrorEvent, EventWriter, events_path
+from workers.engine.launch import supervisor_id
+from workers.engine.main import default_signals, own_session, redirect_output
+
+# Signals a rank may get directly rather than through its group; the wrapper passes them on.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# How much of the log's end is read for the traceback (40 lines of a traceback fit easily).
+_TAIL_BYTES = 64 << 10
+# The line that ends a Python traceback: `ValueError: bad`, `torch.OutOfMemoryError: ...`, `KeyboardInterrupt`
+# (dotted names are shortened to the class's, as the engine's error events name it).
+_EXCEPTION_LINE = re.compile(r"([A-Za-z_][\w.]*)(?::\s?(.*))?")
+
+
+@dataclass(frozen=True)
+class Args:
+    """The wrapper's command line: its own options, then the program after `--`."""
+
+    job_id: str
+    node: str
+    run_dir: Path
+    command: list[str]
+
+
+def parse_args(argv: Sequence[str]) -> Args:
+    """Split `--job-id J [--on-node N] --run-dir R -- CMD...` (the program's own options untouched)."""
+    argv = list(argv)
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        raise SystemExit("usage: workers.command_rank --job-id J [--on-node N] --run-dir R -- CMD [ARG...]")
+    cut = argv.index("--")
+    opts = dict(zip(argv[:cut:2], argv[1:cut:2], strict=True))
+    unknown = set(opts) - {"--job-id", "--on-node", "--run-dir"}
+    if unknown or "--job-id" not in opts or "--run-dir" not in opts:
+        raise SystemExit(f"workers.command_rank: bad options {argv[:cut]}")
+    return Args(opts["--job-id"], opts.get("--on-node", ""), Path(opts["--run-dir"]), argv[cut + 1 :])
+
+
+def program(command: Sequence[str]) -> list[str]:
+    """The argv to start: a leading `python`/`python3` is this interpreter (it has torch and the SDK)."""
+    cmd = list(command)
+    if cmd[0] in ("python", "python3"):
+        cmd[0] = sys.executable
+    return cmd
+
+
+def log_tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> list[str]:
+    """The last `lines` lines of the rank's log (empty if there is none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-lines:]
+
+
+def exception_in(tail: Sequence[str]) -> tuple[str, str] | None:
+    """(type, message) of the last Python traceback in `tail`, None if it holds none."""
+    starts = [i for i, line in enumerate(tail) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    # The frames are indented; the first line after them that is not names the exception.
+    for line in tail[starts[-1] + 1 :]:
+        if line and not line[0].isspace() and (m := _EXCEPTION_LINE.fullmatch(line.rstrip())):
+            return m.group(1).rsplit(".", 1)[-1], m.group(2) or ""
+    return None
+
+
+def failure(rank: int, returncode: int, tail: Sequence[str]) -> ErrorEvent:
+    """The error event of a program that exited with `returncode` (negative: killed by that signal)."""
+    if found := exception_in(tail):
+        error_type, message = found
+    elif returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:  # a real-time signal has no name
+            name = f"signal {-returncode}"
+        error_type, message = "ProcessKilled", f"rank {rank} was killed by {name}"
+    else:
+        error_type, message = "ProcessExited", f"rank {rank} exited with code {returncode}"
+    return ErrorEvent(rank=rank, error_type=error_type, message=message, traceback="\n".join(tail) or None)
+
+
+def watch_supervisor_group(value: str | None, *, interval: float = 1.0) -> threading.Thread | None:
+    """SIGKILL this process's whole group (the program too) as soon as the supervisor `value` is gone.
+
+    Like launch.watch_supervisor, but an exit of the wrapper alone would leave the program
+    training on, beside the next attempt.
+    """
+    if not value or ":" not in value or not os.path.isdir("/proc"):
+        return None
+    pid = int(value.split(":", 1)[0])
+
+    def watch() -> None:
+        # Same pid and start time: the same process (supervisor_id reads "pid:None" once it is gone).
+        while supervisor_id(pid) == value:
+            time.sleep(interval)
+        print(f"supervisor {pid} is gone: this rank and its program are killed", file=sys.stderr, flush=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="dptrain-supervisor-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _end(events: EventWriter, event: ErrorEvent | None, code: int) -> NoReturn:
+    if event is not None:
+        events.emit(event)
+    events.close()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Run the program as this rank; exit with its code (128+N if signal N killed it)."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    default_signals()
+    own_session()  # a no-op under torchrun, which already starts each rank as a session leader
+    rank = int(os.environ.get("RANK", "0"))
+    log_path = args.run_dir / "logs" / f"rank{rank}.log"
+    # The program inherits fds 1 and 2: its output, and the wrapper's own words, go to the rank's log.
+    redirect_output(log_path)
+    events = EventWriter(events_path(args.run_dir, rank), rank)
+    watch_supervisor_group(os.environ.get(SUPERVISOR_ENV))
+    cmd = program(args.command)
+    try:
+        # In this process group (no new session): killing the group, as torchrun and the
+        # supervisor watch do, takes the program and whatever it started with it.
+        child = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    except OSError as exc:
+        missing = isinstance(exc, FileNotFoundError)
+        message = f"{'command not found' if missing else 'cannot run'}: {cmd[0]} ({exc.strerror})"
+        print(f"dptrain: rank {rank}: {message}", file=sys.stderr)
+        kind = "CommandNotFound" if missing else "CommandNotExecutable"
+        _end(events, ErrorEvent(rank=rank, error_type=kind, message=message), 127 if missing else 126)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        # A signal to the whole group reaches the program twice (once from here); the first one
+        # decides, as Python's default handlers and most scripts' own exit at once.
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    returncode = child.wait()  # resumed after each forwarded signal (PEP 475)
+    if returncode == 0:
+        _end(events, None, 0)
+    code = 128 - returncode if returncode < 0 else returncode  # a shell's code for a killed program
+    _end(events, failure(rank, returncode, log_tail(log_path)), code)
+
+
+if __name__ == "__main__":
+    main()
