@@ -13,12 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api_schemas import JobError
 from service.code.storage import archive_path
+
+from api_schemas import CheckpointSpec, JobError
+from dptrain._env import sdk_env
 from service.config import Settings
 from workers.code_cache import CodeArchiveError, unpack_cached
-from workers.engine.launch import CODE_DIR_ENV, SUPERVISOR_ENV, supervisor_id
+from workers.engine.launch import CODE_DIR_ENV, supervisor_id
 from workers.rank_env import rank_environment
+
+KEEP_LAST_DEFAULT: int = CheckpointSpec.model_fields["keep_last"].default
 
 
 class SetupFailed(Exception):
@@ -96,14 +100,14 @@ def prepare(
     run_as = RunAs.named(settings.run_as) if settings.run_as else None
     if run_as is not None:
         _hand_over(run_as, settings=settings, run_dir=run_dir, checkpoint_dir=checkpoint_dir)
-    ours = {
-        "DPTRAIN_JOB_ID": job_id,
-        "DPTRAIN_ATTEMPT": str(attempt),
-        "DPTRAIN_RUN_DIR": str(run_dir),
-        "DPTRAIN_CHECKPOINT_DIR": str(checkpoint_dir),
-        "DPTRAIN_KEEP_LAST": str(spec.get("checkpoint", {}).get("keep_last", 3)),
-        SUPERVISOR_ENV: supervisor_id(),
-    }
+    ours = sdk_env(
+        job_id=job_id,
+        attempt=attempt,
+        run_dir=run_dir,
+        checkpoint_dir=checkpoint_dir,
+        keep_last=int(spec.get("checkpoint", {}).get("keep_last", KEEP_LAST_DEFAULT)),
+        supervisor=supervisor_id(),
+    )
     if code_dir is not None:
         ours[CODE_DIR_ENV] = str(code_dir)
     env = rank_environment(

@@ -14,16 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from api_schemas import JobSpec
+from dptrain._env import stop_file
 
 STALL_TIMEOUT_DEFAULT: int = JobSpec.model_fields["stall_timeout_seconds"].default
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
 # owns the job; stall: nobody is listening) signal at once.
 ASKED_FIRST = frozenset({"cancel", "deadline"})
 
-
-def stop_file(run_dir: Path) -> Path:
-    """The file whose existence tells the SDK's `should_stop()` to return True."""
-    return run_dir / "stop"
+__all__ = ["ASKED_FIRST", "STALL_TIMEOUT_DEFAULT", "Watch", "stop_file"]
 
 
 class Watch:
