@@ -22,6 +22,17 @@ class UserCreate(Strict):
 
     name: UserName
     admin: bool = Field(False, description="Admins see and manage every job and create users.")
+    can_run_code: bool = Field(
+        False, description="May upload code and run jobs with an entrypoint or a command (admins always may)."
+    )
+
+
+class UserUpdate(Strict):
+    """What an admin sends to `PATCH /v1/users/{name}`: the fields to change."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    can_run_code: bool | None = Field(None, description="Grant or withdraw running user code.")
 
 
 class UserInfo(BaseModel):
@@ -29,6 +40,7 @@ class UserInfo(BaseModel):
 
     name: str
     admin: bool
+    can_run_code: bool
     created_at: datetime
 
 
@@ -37,4 +49,5 @@ class IssuedToken(BaseModel):
 
     name: str
     admin: bool
+    can_run_code: bool
     token: str = Field(description="Send as `Authorization: Bearer <token>`; it is not shown again.")

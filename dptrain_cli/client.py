@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
 from service.config import Settings, get_settings
 
 SUBMIT_ATTEMPTS = 3
+CHUNK_BYTES = 1 << 20
 
 
 class ApiError(Exception):
@@ -44,16 +47,19 @@ class Client:
         settings = get_settings()
         return cls(settings.api_url, resolve_token(settings))
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
-        r = self.http.request(method, path, **kw)
+    @staticmethod
+    def _check(r: httpx.Response) -> httpx.Response:
         if r.status_code >= 400:
             try:
                 body = r.json()
                 detail = body.get("detail", body)
             except ValueError:
-                detail = r.text
+                detail = r.text or r.reason_phrase
             raise ApiError(r.status_code, detail)
-        return r.json()
+        return r
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        return self._check(self.http.request(method, path, **kw)).json()
 
     def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
         """POST /v1/jobs under an Idempotency-Key, retried on network errors: never two jobs for one call."""
@@ -88,3 +94,39 @@ class Client:
         """GET /v1/jobs/{id}/logs."""
         params = {k: v for k, v in {"after": after, "rank": rank}.items() if v is not None}
         return dict(self._call("GET", f"/v1/jobs/{job_id}/logs", params=params))
+
+    def code_exists(self, sha256: str) -> bool:
+        """HEAD /v1/code/{sha256}: whether the server already holds that archive."""
+        r = self.http.head(f"/v1/code/{sha256}")
+        if r.status_code == 404:
+            return False
+        self._check(r)
+        return True
+
+    def upload_code(self, sha256: str, path: Path) -> bool:
+        """PUT /v1/code/{sha256} streaming the file at `path`; True if stored now, False if already there."""
+        with path.open("rb") as f:
+            # A stated length lets the server refuse an archive over its limit before reading it.
+            headers = {"Content-Type": "application/gzip", "Content-Length": str(path.stat().st_size)}
+            r = self.http.put(f"/v1/code/{sha256}", content=_chunks(f), headers=headers)
+        return self._check(r).status_code == 201
+
+    def download_code(self, sha256: str, dest: Path) -> None:
+        """GET /v1/code/{sha256} into `dest`, streamed; ValueError (and no file) if its hash differs."""
+        digest = hashlib.sha256()
+        with self.http.stream("GET", f"/v1/code/{sha256}") as r:
+            if r.status_code >= 400:
+                r.read()
+                self._check(r)
+            with dest.open("wb") as f:
+                for chunk in r.iter_bytes(CHUNK_BYTES):
+                    digest.update(chunk)
+                    f.write(chunk)
+        if digest.hexdigest() != sha256:
+            dest.unlink()
+            raise ValueError(f"downloaded code hashes to {digest.hexdigest()}, not {sha256}")
+
+
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    while chunk := f.read(CHUNK_BYTES):
+        yield chunk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,15 @@ from typing import Any
 import typer
 import yaml
 from rich.console import Console
+from rich.filesize import decimal
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from api_schemas import JobStatus
 from dptrain_cli import server, users
 from dptrain_cli.client import ApiError, Client
+from dptrain_cli.junit import junit_report
+from dptrain_cli.workdir import largest_paths, pack
 
 app = typer.Typer(no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP.")
 out = Console()
@@ -28,7 +32,7 @@ app.command()(server.migrate)
 app.command()(server.up)
 app.add_typer(users.app, name="users")
 
-EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED = 0, 1, 2, 3
+EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED, EXIT_CANCELLED = 0, 1, 2, 3, 4
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -65,7 +69,9 @@ def _refused(exc: ApiError) -> typer.Exit:
 
 
 def _exit_for(job: dict[str, Any]) -> int:
-    return EXIT_SUCCEEDED if JobStatus(job["status"]) is JobStatus.SUCCEEDED else EXIT_FAILED
+    return {JobStatus.SUCCEEDED: EXIT_SUCCEEDED, JobStatus.CANCELLED: EXIT_CANCELLED}.get(
+        JobStatus(job["status"]), EXIT_FAILED
+    )
 
 
 def _report_end(job: dict[str, Any]) -> None:
@@ -79,36 +85,103 @@ def _report_end(job: dict[str, Any]) -> None:
             err.print(e["traceback"], markup=False, highlight=False)
 
 
-@app.command()
-def submit(
-    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Job spec, YAML or JSON."),
-    wait: bool = typer.Option(False, "--wait", help="Follow the job to its end with a progress bar."),
-    timeout: float = typer.Option(0, "--timeout", help="With --wait: give up after S seconds (exit 2)."),
-) -> None:
-    """Submit a job. With --wait: exit 0 if it succeeded, 1 if it failed or was cancelled, 2 on timeout."""
-    client = Client.from_env()
-    try:
-        job = client.submit(_load_spec(file))
-    except ApiError as exc:
-        raise _refused(exc) from exc
-    out.print(job["id"])
-    if not wait:
-        return
+def _too_big(workdir: Path, reason: str) -> typer.Exit:
+    err.print(f"[red]code refused[/red]: {reason}")
+    err.print("largest paths it would upload:")
+    for path, size in largest_paths(workdir):
+        err.print(f"  {decimal(size):>10}  {path}", markup=False, highlight=False)
+    err.print(f"Leave out what the job does not need with a .dptrainignore in {workdir} (.gitignore syntax).")
+    return typer.Exit(EXIT_REFUSED)
+
+
+def _ship_code(client: Client, workdir: Path, *, max_bytes: int | None) -> str:
+    """Pack `workdir`, upload it unless the server has it; its sha256."""
+    with tempfile.TemporaryDirectory(prefix="dptrain-code-") as tmp:
+        packed = pack(workdir, Path(tmp) / "code.tar.gz")
+        # stderr: stdout holds only the job id, for `JOB=$(dptrain submit ...)`.
+        err.print(f"code {packed.sha256[:12]} {decimal(packed.size_bytes)} ({packed.files} files)")
+        for path, why in packed.skipped:
+            err.print(f"[yellow]warning[/yellow]: skipped {path}: {why}", highlight=False)
+        if max_bytes is not None and packed.size_bytes > max_bytes:
+            over = f"the archive is {packed.size_bytes} bytes, over --max-code-bytes {max_bytes}"
+            raise _too_big(workdir, over)
+        try:
+            sha256 = packed.sha256
+            uploaded = not client.code_exists(sha256) and client.upload_code(sha256, packed.path)
+        except ApiError as exc:
+            if exc.status_code == 413:
+                raise _too_big(workdir, str(exc.detail)) from exc
+            raise _refused(exc) from exc
+    err.print("code uploaded" if uploaded else "code already on the server")
+    return sha256
+
+
+def _follow(client: Client, job: dict[str, Any], *, timeout: float) -> tuple[dict[str, Any], bool]:
+    """Poll `job` with a progress bar until it ends or `timeout` seconds pass; (job, timed out)."""
     deadline = time.monotonic() + timeout if timeout > 0 else None
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
     with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task(job["status"], total=job["progress"]["total_steps"])
         while not JobStatus(job["status"]).is_terminal():
             if deadline is not None and time.monotonic() > deadline:
-                err.print(
-                    f"[yellow]timed out after {timeout:g} s; job {job['id']} is {job['status']}[/yellow]"
-                )
-                raise typer.Exit(EXIT_TIMEOUT)
+                return job, True
             time.sleep(1.0)
             job = client.get(job["id"])
             loss = job["latest_metrics"].get("loss")
             desc = job["status"] + (f" loss={loss:.4g}" if loss is not None else "")
             bar.update(task, completed=job["progress"]["step"], description=desc)
+    return job, False
+
+
+@app.command()
+def submit(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Job spec, YAML or JSON."),
+    workdir: Path | None = typer.Option(
+        None,
+        "--workdir",
+        exists=True,
+        file_okay=False,
+        help="Upload this directory (minus .gitignore/.dptrainignore) as the job's code.",
+    ),
+    wait: bool = typer.Option(False, "--wait", help="Follow the job to its end with a progress bar."),
+    timeout: float = typer.Option(0, "--timeout", help="With --wait: give up after S seconds (exit 2)."),
+    junit: Path | None = typer.Option(
+        None, "--junit", dir_okay=False, help="With --wait: write a JUnit XML report here (also on timeout)."
+    ),
+    max_code_bytes: int | None = typer.Option(
+        None, "--max-code-bytes", min=1, help="Refuse a --workdir archive over N bytes before uploading."
+    ),
+) -> None:
+    """Submit a job; print its id.
+
+    Exit codes: 0 submitted (with --wait: succeeded); 1 failed; 2 timed out (the job keeps running);
+    3 refused (by the API: the spec or the code upload; or by the CLI before uploading);
+    4 cancelled.
+    """
+    if junit is not None and not wait:
+        err.print("[red]--junit needs --wait[/red]: the report is written when the job ends")
+        raise typer.Exit(EXIT_REFUSED)
+    client = Client.from_env()
+    spec = _load_spec(file)
+    if workdir is not None:
+        spec["code"] = {"sha256": _ship_code(client, workdir, max_bytes=max_code_bytes)}
+    started = time.monotonic()
+    try:
+        job = client.submit(spec)
+    except ApiError as exc:
+        raise _refused(exc) from exc
+    out.print(job["id"])
+    if not wait:
+        return
+    job, timed_out = _follow(client, job, timeout=timeout)
+    if junit is not None:
+        junit.write_bytes(junit_report(job, elapsed=time.monotonic() - started, timed_out=timed_out))
+    if timed_out:
+        err.print(
+            f"[yellow]timed out after {timeout:g} s; job {job['id']} is {job['status']} and keeps running"
+            f" (dptrain cancel {job['id']} stops it)[/yellow]"
+        )
+        raise typer.Exit(EXIT_TIMEOUT)
     _report_end(job)
     raise typer.Exit(_exit_for(job))
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import typer
 from rich.console import Console
+from sqlalchemy.orm import Session
 
 from service.config import get_settings
 from service.db import session_factory
@@ -13,42 +17,57 @@ from service.users import service
 app = typer.Typer(no_args_is_help=True, help="Users and tokens, from the server host (database access).")
 out = Console()
 err = Console(stderr=True)
+T = TypeVar("T")
 
 
-def _refuse(exc: ServiceError) -> typer.Exit:
-    err.print(f"[red]{type(exc).__name__}[/red]: {exc.message}")
-    return typer.Exit(1)
+def _in_db(work: Callable[[Session], T]) -> T:
+    # One transaction in the server's database; a refusal of the service exits 1 with its reason.
+    try:
+        with session_factory(get_settings()).begin() as session:
+            return work(session)
+    except ServiceError as exc:
+        err.print(f"[red]{type(exc).__name__}[/red]: {exc.message}")
+        raise typer.Exit(1) from exc
+
+
+_CAN_RUN_CODE = "May upload code and run jobs with an entrypoint or a command (admins always may)."
 
 
 @app.command()
-def create(name: str, admin: bool = typer.Option(False, "--admin", help="An admin sees every job.")) -> None:
+def create(
+    name: str,
+    admin: bool = typer.Option(False, "--admin", help="An admin sees every job."),
+    can_run_code: bool = typer.Option(False, "--can-run-code", help=_CAN_RUN_CODE),
+) -> None:
     """Create a user and print its token; it is shown this once (only its hash is stored)."""
-    try:
-        with session_factory(get_settings()).begin() as session:
-            issued = service.create(session, name=name, admin=admin)
-    except ServiceError as exc:
-        raise _refuse(exc) from exc
-    err.print(f"created {'admin' if admin else 'user'} {name}; its token (not shown again):")
+    issued = _in_db(lambda s: service.create(s, name=name, admin=admin, can_run_code=can_run_code))
+    may = " who may run code" if can_run_code and not admin else ""
+    err.print(f"created {'admin' if admin else 'user'} {name}{may}; its token (not shown again):")
     out.print(issued.token, markup=False, highlight=False)
 
 
 @app.command()
 def token(name: str) -> None:
     """Issue another token for a user and print it once."""
-    try:
-        with session_factory(get_settings()).begin() as session:
-            issued = service.issue_token(session, actor=None, name=name)
-    except ServiceError as exc:
-        raise _refuse(exc) from exc
+    issued = _in_db(lambda s: service.issue_token(s, actor=None, name=name))
     out.print(issued.token, markup=False, highlight=False)
 
 
 @app.command()
 def revoke(name: str) -> None:
     """Revoke every token of a user at once."""
-    try:
-        with session_factory(get_settings()).begin() as session:
-            n = service.revoke_tokens(session, actor=None, name=name)
-    except ServiceError as exc:
-        raise _refuse(exc) from exc
+    n = _in_db(lambda s: service.revoke_tokens(s, actor=None, name=name))
     out.print(f"revoked {n} token(s) of {name}")
+
+
+@app.command()
+def grant(
+    name: str,
+    can_run_code: bool | None = typer.Option(
+        None, "--can-run-code/--no-can-run-code", help=f"{_CAN_RUN_CODE} Left out: unchanged."
+    ),
+) -> None:
+    """Change what an existing user may do, and print what they may do now."""
+    info = _in_db(lambda s: service.grant(s, actor=None, name=name, can_run_code=can_run_code))
+    may = "may" if info.can_run_code or info.admin else "may not"
+    out.print(f"{name} {may} run code{' (an admin)' if info.admin else ''}")

@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 
 from service.auth.cache import TokenCache
 from service.auth.tokens import ensure_bootstrap_admin
+from service.code.router import router as code_router
 from service.config import Settings, get_settings
 from service.dashboard.router import install_dashboard
 from service.db import session_factory
@@ -91,12 +92,15 @@ def create_app(
         rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst
     )
     # Added before RequestLatency, so it runs inside it (the last added is outermost): 413s are measured.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes)
+    # Code archives stream to disk under their own cap (DPTRAIN_CODE_MAX_BYTES), never buffered here.
+    streamed = (f"{code_router.prefix}/",)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes, streamed=streamed)
     app.add_middleware(RequestLatency, histogram=request_histogram(app.state.metrics_registry))
     app.include_router(jobs_router)
     app.include_router(users_router)
     app.include_router(workers_router)
     app.include_router(ops_router)
+    app.include_router(code_router)
     install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])

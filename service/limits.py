@@ -52,13 +52,14 @@ class BodyLimit:
 
     It counts the bytes actually received (a chunked body has no Content-Length, and a client can
     lie in it), buffering at most `max_bytes`; a declared Content-Length over the cap is refused at once.
+    Paths under `streamed` pass untouched: their routes stream the body and enforce their own cap.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, *, max_bytes: int, streamed: tuple[str, ...] = ()) -> None:
+        self.app, self.max_bytes, self.streamed = app, max_bytes, streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].startswith(self.streamed):
             await self.app(scope, receive, send)
             return
         for name, value in scope.get("headers", []):

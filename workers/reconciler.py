@@ -5,7 +5,8 @@
   Duplicates are harmless because a node starts only through a conditional UPDATE.
 - Take running jobs away when any of their nodes' workers stopped beating (the attempt lease) and
   restart or fail them, fenced by the attempt's claim token.
-- Delete the log lines and metric points of jobs finished longer ago than the retention.
+- Delete the log lines and metric points of jobs finished longer ago than the retention, and the
+  code archives no job refers to that nobody used for as long.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from service.code import repository as code_repository
+from service.code.storage import archive_path
 from service.config import Settings
 from service.dispatch import Dispatcher
 from service.jobs import repository
@@ -83,14 +87,28 @@ def recover_lost(
     return list(lost)
 
 
-def purge_expired(*, sessions: sessionmaker[Session], retention_days: float) -> int:
-    """Delete the log lines and metrics of jobs finished over `retention_days` ago; returns how many jobs."""
+def purge_expired(
+    *, sessions: sessionmaker[Session], retention_days: float, artifacts: Path | None = None
+) -> int:
+    """Delete the log lines and metrics of jobs finished over `retention_days` ago; returns how many jobs.
+
+    With `artifacts`, also the code archives no job refers to and nobody used in that time.
+    """
     if retention_days <= 0:
         return 0
+    cutoff = utcnow() - timedelta(days=retention_days)
+    if artifacts is not None:
+        with sessions.begin() as session:
+            unused = code_repository.delete_unused(session, used_before=cutoff)
+        # Files after the commit: an archive whose row is gone is one the API no longer offers.
+        for sha in unused:
+            archive_path(artifacts, sha).unlink(missing_ok=True)
+        if unused:
+            log.info("deleted %d unused code archives past the %g-day retention", len(unused), retention_days)
     total = 0
     while True:
         with sessions.begin() as session:
-            n = repository.purge_history(session, finished_before=utcnow() - timedelta(days=retention_days))
+            n = repository.purge_history(session, finished_before=cutoff)
         total += n
         if n == 0:
             break
@@ -138,7 +156,9 @@ class Reconciler(threading.Thread):
         if now - self._last_purge > PURGE_EVERY_SECONDS:
             self._last_purge = now
             parts.append(
-                lambda: purge_expired(sessions=self.sessions, retention_days=s.history_retention_days)
+                lambda: purge_expired(
+                    sessions=self.sessions, retention_days=s.history_retention_days, artifacts=s.artifacts
+                )
             )
         for part in parts:
             try:

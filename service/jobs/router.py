@@ -23,7 +23,6 @@ from api_schemas import (
     LogPage,
     MetricSeries,
     Timeline,
-    entrypoint_allowed,
 )
 from service.deps import (
     CurrentUser,
@@ -41,7 +40,7 @@ from service.errors import (
     error_responses,
 )
 from service.etag import conditional, conditional_json
-from service.jobs import events, metrics_repository, repository, service
+from service.jobs import events, metrics_repository, policy, repository, service
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
 from service.params import CheckpointId, Int32, Int64, JobId, Text
@@ -79,15 +78,10 @@ async def submit_job(
     ] = None,
 ) -> Job:
     """Submit a job; it is queued, and placement starts it on free nodes once committed."""
-    # Every rule of the spec itself ran when FastAPI validated it; only this server's allow-list is left.
-    if spec.entrypoint is not None and not entrypoint_allowed(spec.entrypoint, settings.entrypoint_prefixes):
-        shown = ", ".join(settings.entrypoint_prefixes) or "none"
-        reason = f"module is not under an allowed prefix (DPTRAIN_ALLOWED_ENTRYPOINTS: {shown})"
-        raise RequestValidationError(
-            [{"type": "value_error", "loc": ("body", "entrypoint"), "msg": reason, "input": spec.entrypoint}]
-        )
 
     def accept(session: Session) -> tuple[JobRow, bool]:
+        # Every rule of the spec itself ran when FastAPI validated it; this server's code policy is left.
+        policy.check_user_code(session, user=user, spec=spec, settings=settings)
         if idempotency_key is None:
             job, created = service.submit(session, user=user, spec=spec), True
         else:

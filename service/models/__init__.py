@@ -1,6 +1,7 @@
 """ORM models (SQLAlchemy 2, typed). Alembic migrations are the only source of the schema."""
 
 from service.models.base import Base
+from service.models.code import CodeArchive, CodeUpload
 from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric, MetricRollup
 from service.models.users import ApiToken, User
 from service.models.workers import JobNode, Worker
@@ -9,6 +10,8 @@ __all__ = [
     "ApiToken",
     "Base",
     "Checkpoint",
+    "CodeArchive",
+    "CodeUpload",
     "Job",
     "JobNode",
     "JobTransition",

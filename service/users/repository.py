@@ -16,16 +16,21 @@ def by_name(session: Session, *, name: str) -> User | None:
     return session.execute(select(User).where(User.name == name)).scalar_one_or_none()
 
 
-def create(session: Session, *, name: str, is_admin: bool) -> User | None:
+def create(session: Session, *, name: str, is_admin: bool, can_run_code: bool = False) -> User | None:
     """Insert a user; None if the name is taken (the unique constraint decides, even under a race)."""
     stmt = (
         insert_for(session, User)
-        .values(name=name, is_admin=is_admin)
+        .values(name=name, is_admin=is_admin, can_run_code=can_run_code)
         .on_conflict_do_nothing(index_elements=[User.name])
         .returning(User.id)
     )
     user_id = session.execute(stmt).scalar_one_or_none()
     return None if user_id is None else session.get(User, user_id)
+
+
+def set_can_run_code(session: Session, *, user_id: int, allowed: bool) -> None:
+    """Grant or withdraw running user code."""
+    session.execute(update(User).where(User.id == user_id).values(can_run_code=allowed))
 
 
 def add_token(session: Session, *, user_id: int, token_hash: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import Response, status
 
 from api_schemas import IssuedToken, UserCreate, UserInfo
+from api_schemas.users import UserUpdate
 from service.deps import CurrentUser, SessionDep
 from service.errors import (
     Conflict,
@@ -28,13 +29,21 @@ router = v1_router("users")
 )
 def create_user(body: UserCreate, session: SessionDep, user: CurrentUser) -> IssuedToken:
     """Create a user (admins only) and return its first token, shown this once."""
-    return service.create_by(session, actor=user, name=body.name, admin=body.admin)
+    return service.create_by(
+        session, actor=user, name=body.name, admin=body.admin, can_run_code=body.can_run_code
+    )
 
 
 @router.get("/me", response_model=UserInfo)
 def who_am_i(user: CurrentUser) -> UserInfo:
     """The user this token belongs to."""
     return service.to_info(user)
+
+
+@router.patch("/{name}", response_model=UserInfo, responses=error_responses(Forbidden, NotFound))
+def update_user(name: UserPath, body: UserUpdate, session: SessionDep, user: CurrentUser) -> UserInfo:
+    """Change what a user may do (admins only); fields left out stay as they are."""
+    return service.grant(session, actor=user, name=name, can_run_code=body.can_run_code)
 
 
 @router.post(

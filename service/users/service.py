@@ -15,28 +15,45 @@ from service.users import repository
 
 def to_info(user: User) -> UserInfo:
     """The wire form of a user."""
-    return UserInfo(name=user.name, admin=user.is_admin, created_at=user.created_at)
+    return UserInfo(
+        name=user.name, admin=user.is_admin, can_run_code=user.can_run_code, created_at=user.created_at
+    )
 
 
-def create(session: Session, *, name: str, admin: bool) -> IssuedToken:
+def create(session: Session, *, name: str, admin: bool, can_run_code: bool = False) -> IssuedToken:
     """Create a user with a first token (the token is returned here and never again); Conflict if taken."""
-    user = repository.create(session, name=name, is_admin=admin)
+    user = repository.create(session, name=name, is_admin=admin, can_run_code=can_run_code)
     if user is None:
         raise Conflict(f"user {name!r} already exists")
     return _issue(session, user=user)
 
 
-def create_by(session: Session, *, actor: User, name: str, admin: bool) -> IssuedToken:
+def create_by(
+    session: Session, *, actor: User, name: str, admin: bool, can_run_code: bool = False
+) -> IssuedToken:
     """`create` on behalf of `actor`, who must be an admin."""
     if not actor.is_admin:
         raise Forbidden("only an admin can create users")
-    return create(session, name=name, admin=admin)
+    return create(session, name=name, admin=admin, can_run_code=can_run_code)
+
+
+def grant(session: Session, *, actor: User | None, name: str, can_run_code: bool | None) -> UserInfo:
+    """Grant or withdraw running user code, None leaving it (admins, or the server-side CLI: actor None)."""
+    if actor is not None and not actor.is_admin:
+        raise Forbidden("only an admin can change what a user may do")
+    user = _target(session, actor=actor, name=name)
+    if can_run_code is not None and can_run_code != user.can_run_code:
+        repository.set_can_run_code(session, user_id=user.id, allowed=can_run_code)
+        # This process's token cache holds the user as they were: look them up again after the commit.
+        forget_user_on_commit(session, user.id)
+        session.refresh(user)
+    return to_info(user)
 
 
 def _issue(session: Session, *, user: User) -> IssuedToken:
     token = new_token()
     repository.add_token(session, user_id=user.id, token_hash=hash_token(token))
-    return IssuedToken(name=user.name, admin=user.is_admin, token=token)
+    return IssuedToken(name=user.name, admin=user.is_admin, can_run_code=user.can_run_code, token=token)
 
 
 def _target(session: Session, *, actor: User | None, name: str) -> User:

@@ -38,3 +38,20 @@ def test_create_then_revoke(cli_env: None, client: TestClient) -> None:
     assert client.get("/v1/users/me", headers=as_user(token)).status_code == 401, (
         "a token revoked from the CLI is refused at once"
     )
+
+
+def test_create_can_run_code_then_grant_and_withdraw(cli_env: None, client: TestClient) -> None:
+    runner = CliRunner()
+    r = runner.invoke(app, ["users", "create", "ivy", "--can-run-code"])
+    assert r.exit_code == 0 and "may run code" in r.output, r.output
+    ivy = as_user(r.stdout.strip().splitlines()[-1])
+    assert client.get("/v1/users/me", headers=ivy).json()["can_run_code"] is True  # now cached
+    r = runner.invoke(app, ["users", "grant", "ivy", "--no-can-run-code"])
+    assert r.exit_code == 0 and "ivy may not run code" in r.stdout, r.output
+    assert client.get("/v1/users/me", headers=ivy).json()["can_run_code"] is False, "at once in this process"
+    r = runner.invoke(app, ["users", "grant", "ivy"])
+    assert r.exit_code == 0 and "ivy may not run code" in r.stdout, f"no flag changes nothing: {r.output}"
+    r = runner.invoke(app, ["users", "grant", "ivy", "--can-run-code"])
+    assert r.exit_code == 0 and "ivy may run code" in r.stdout, r.output
+    r = runner.invoke(app, ["users", "grant", "nobody", "--can-run-code"])
+    assert r.exit_code == 1 and "not found" in r.output, r.output

@@ -91,3 +91,32 @@ class TestTokens:
     def test_me(self, client: TestClient) -> None:
         me = client.get("/v1/users/me").json()
         assert (me["name"], me["admin"]) == ("admin", True), f"the bootstrap token is the admin's: {me}"
+
+
+class TestCanRunCode:
+    def test_an_admin_creates_a_user_who_may_run_code(self, client: TestClient) -> None:
+        r = client.post("/v1/users", json={"name": "kim", "can_run_code": True})
+        assert r.status_code == 201 and r.json()["can_run_code"] is True, r.text
+        me = client.get("/v1/users/me", headers=as_user(r.json()["token"])).json()
+        assert (me["name"], me["admin"], me["can_run_code"]) == ("kim", False, True), me
+        plain = client.post("/v1/users", json={"name": "lee"}).json()
+        assert plain["can_run_code"] is False, "nobody runs code unless granted"
+        r = client.post("/v1/users", json={"name": "max", "can_run_code": "yes"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "can_run_code"], r.text
+
+    def test_an_admin_grants_and_withdraws_over_the_api(self, client: TestClient, db: Session) -> None:
+        token = add_user(db, "ned")
+        # Looked up now, so the token cache holds ned as he was.
+        assert client.get("/v1/users/me", headers=as_user(token)).json()["can_run_code"] is False
+        r = client.patch("/v1/users/ned", json={"can_run_code": True})
+        assert r.status_code == 200 and r.json()["can_run_code"] is True, r.text
+        assert client.get("/v1/users/me", headers=as_user(token)).json()["can_run_code"] is True, "at once"
+        assert client.patch("/v1/users/ned", json={}).json()["can_run_code"] is True, "left out: unchanged"
+        assert client.patch("/v1/users/ned", json={"can_run_code": False}).json()["can_run_code"] is False
+        assert client.patch("/v1/users/nobody", json={"can_run_code": True}).status_code == 404
+
+    def test_only_an_admin_grants(self, client: TestClient, db: Session) -> None:
+        token = add_user(db, "oli")
+        r = client.patch("/v1/users/oli", json={"can_run_code": True}, headers=as_user(token))
+        assert r.status_code == 403, f"not even to themselves: {r.text}"
+        assert db.execute(select(User.can_run_code).where(User.name == "oli")).scalar_one() is False

@@ -1,0 +1,80 @@
+"""Thin routes of `/v1/code`: content-addressed code archives, streamed in and out."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Path, Request, Response, status
+from fastapi.responses import FileResponse
+
+from service.code import service, storage
+from service.deps import CurrentUser, SessionDep, SettingsDep, run_in_transaction
+from service.errors import Forbidden, NotFound, PayloadTooLarge, error_responses
+from service.routing import v1_router
+
+router = v1_router("code")
+
+Sha256Path = Annotated[
+    str, Path(pattern=r"^[0-9a-f]{64}$", description="sha256 of the .tar.gz, lower-case hex.")
+]
+_ARCHIVE = {"content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}
+# A refusal sent before the whole body was read: the connection cannot carry another request.
+_CLOSE = {"Connection": "close"}
+
+
+@router.head("/{sha256}", responses=error_responses(NotFound) | {200: {"description": "Stored"}})
+def has_code(sha256: Sha256Path, session: SessionDep, _user: CurrentUser, settings: SettingsDep) -> Response:
+    """200 with the archive's Content-Length if the server has it, else 404: upload only what is missing."""
+    size = service.stored_size(session, sha256=sha256, artifacts=settings.artifacts)
+    if size is None:
+        return Response(status_code=status.HTTP_404_NOT_FOUND)
+    return Response(headers={"Content-Length": str(size)})
+
+
+@router.put(
+    "/{sha256}",
+    status_code=status.HTTP_201_CREATED,
+    response_class=Response,
+    responses=error_responses(Forbidden, PayloadTooLarge) | {200: {"description": "Already stored"}},
+    openapi_extra={"requestBody": {"required": True, **_ARCHIVE}},
+)
+async def put_code(
+    sha256: Sha256Path, request: Request, session: SessionDep, user: CurrentUser, settings: SettingsDep
+) -> Response:
+    """Store a `.tar.gz` under its sha256 (201), or just record you as its uploader if stored (200)."""
+    service.check_may_upload(user=user, settings=settings)
+    limit, artifacts = settings.code_max_bytes, settings.artifacts
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(settings)
+    if await run_in_transaction(session, service.reuse, user=user, sha256=sha256, artifacts=artifacts):
+        # Read to the end (up to the limit) so that the client, still sending, gets the answer.
+        whole = await storage.drain(request.stream(), max_bytes=limit)
+        return Response(status_code=status.HTTP_200_OK, headers=None if whole else _CLOSE)
+    try:
+        received = await storage.receive(request.stream(), artifacts=artifacts, max_bytes=limit)
+    except storage.TooLarge:
+        raise _too_large(settings) from None
+    created = await run_in_transaction(
+        session, service.store, user=user, sha256=sha256, received=received, artifacts=artifacts
+    )
+    return Response(status_code=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+
+def _too_large(settings: SettingsDep) -> PayloadTooLarge:
+    return PayloadTooLarge(service.too_large_message(settings), headers=_CLOSE)
+
+
+@router.get(
+    "/{sha256}",
+    response_class=FileResponse,
+    responses=error_responses(NotFound) | {200: _ARCHIVE},
+)
+def get_code(
+    sha256: Sha256Path, session: SessionDep, user: CurrentUser, settings: SettingsDep
+) -> FileResponse:
+    """The archive, for an admin, its uploaders and the owners of jobs that use it (404 for anyone else)."""
+    path = service.readable_archive(session, user=user, sha256=sha256, artifacts=settings.artifacts)
+    return FileResponse(
+        path, media_type="application/gzip", filename=f"{sha256}.tar.gz", headers={"X-Code-SHA256": sha256}
+    )

@@ -1,0 +1,99 @@
+"""Where code archives live on disk: `<artifact root>/code/<sha256>.tar.gz`.
+
+Workers import `archive_path` to find an archive, so this module stays free of FastAPI and SQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import anyio.to_thread
+
+CODE_DIR = "code"
+
+
+def code_dir(artifacts: Path) -> Path:
+    """The folder of every code archive (and of uploads still being written)."""
+    return artifacts / CODE_DIR
+
+
+def archive_path(artifacts: Path, sha256: str) -> Path:
+    """The stored archive whose content hashes to `sha256` (64 lower-case hex digits)."""
+    return code_dir(artifacts) / f"{sha256}.tar.gz"
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+# Received bytes are hashed and written in pieces of about this size: one thread hop per piece.
+_PIECE = 1 << 20
+
+
+class TooLarge(Exception):
+    """The body grew past the limit; nothing was kept."""
+
+
+@dataclass
+class Received:
+    """An upload written to a temporary file next to the archives, not yet in place."""
+
+    path: Path
+    sha256: str
+    size: int
+    head: bytes
+
+    def discard(self) -> None:
+        """Remove the temporary file."""
+        self.path.unlink(missing_ok=True)
+
+    def keep(self, artifacts: Path) -> Path:
+        """Move the file into place as the archive of its hash (atomic: readers see all or nothing)."""
+        dest = archive_path(artifacts, self.sha256)
+        os.replace(self.path, dest)
+        return dest
+
+
+async def receive(chunks: AsyncIterable[bytes], *, artifacts: Path, max_bytes: int) -> Received:
+    """Stream `chunks` to a temporary file in the code folder while hashing; TooLarge past `max_bytes`."""
+    folder = code_dir(artifacts)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=folder, prefix=".upload-", suffix=".part")
+    path = Path(name)
+    digest, size, head, pending = hashlib.sha256(), 0, b"", bytearray()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise TooLarge(f"{size} bytes received")
+                if len(head) < len(GZIP_MAGIC):
+                    head = (head + chunk)[: len(GZIP_MAGIC)]
+                pending += chunk
+                if len(pending) >= _PIECE:
+                    await anyio.to_thread.run_sync(_write, f, digest, bytes(pending))
+                    pending.clear()
+            await anyio.to_thread.run_sync(_write, f, digest, bytes(pending))
+    except BaseException:
+        # A refusal, a client that went away, a full disk: no partial upload is left behind.
+        path.unlink(missing_ok=True)
+        raise
+    return Received(path=path, sha256=digest.hexdigest(), size=size, head=head)
+
+
+def _write(f: BinaryIO, digest: Any, data: bytes) -> None:
+    digest.update(data)
+    f.write(data)
+
+
+async def drain(chunks: AsyncIterable[bytes], *, max_bytes: int) -> bool:
+    """Read and drop a body the server does not need; False if it went past `max_bytes` (left unread)."""
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            return False
+    return True
