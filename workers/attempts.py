@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from service.jobs import lifecycle
+from workers.engine.events import TRACEBACK_TAIL_LINES
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +133,22 @@ def finish(
             log.warning("job %s: recording %s failed; retrying", job_id, dst.value, exc_info=True)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+
+def launcher_error(log_path: Path, *, rc: int, started: bool) -> JobError:
+    """The error of an attempt whose ranks reported none: torchrun's own failure, often the rendezvous."""
+    tail = _tail(log_path)
+    if not started and tail and "Rendezvous" in tail:
+        kind, message = "RendezvousFailed", "the nodes did not all join the rendezvous in time"
+    elif rc:
+        kind, message = "ProcessExited", f"rank processes exited with code {rc}"
+    else:
+        kind, message = "ProcessExited", "ranks exited without finishing"
+    return JobError(type=kind, message=message, traceback=tail)
+
+
+def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return None

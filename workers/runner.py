@@ -27,9 +27,8 @@ from service.db import session_factory
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
 from service.scheduling import repository as placement
-from workers.attempts import Attempt, end_abnormally, finish
+from workers.attempts import Attempt, end_abnormally, finish, launcher_error
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
-from workers.engine.events import TRACEBACK_TAIL_LINES
 from workers.engine.launch import Rendezvous, torchrun_command
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
@@ -389,26 +388,5 @@ def _record_outcome(
     if rc == 0 and run.nnodes > 1:
         # Rank 0, whose node records the success, may run on another node: nothing to record here.
         return JobStatus.RUNNING
-    error = reporter.root_error() or _launcher_error(
-        paths.launcher_log, rc=rc, started=reporter.state.started
-    )
+    error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
     return end_abnormally(sessions, att=att, error=error)
-
-
-def _launcher_error(log_path: Path, *, rc: int, started: bool) -> JobError:
-    """The error of an attempt whose ranks reported none: torchrun's own failure, often the rendezvous."""
-    tail = _tail(log_path)
-    if not started and tail and "Rendezvous" in tail:
-        kind, message = "RendezvousFailed", "the nodes did not all join the rendezvous in time"
-    elif rc:
-        kind, message = "ProcessExited", f"rank processes exited with code {rc}"
-    else:
-        kind, message = "ProcessExited", "ranks exited without finishing"
-    return JobError(type=kind, message=message, traceback=tail)
-
-
-def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return None

@@ -13,10 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from service.models import Job
 from service.models.base import utcnow
-from workers.attempts import Attempt, end_abnormally, is_retryable
+from workers.attempts import Attempt, end_abnormally, is_retryable, launcher_error
 from workers.engine.events import EventWriter, events_path
 from workers.reporting import Reporter
-from workers.runner import _launcher_error
 
 SPEC = {"name": "a", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4, "steps": 1}}
 
@@ -39,14 +38,14 @@ def _rank_error(sessions: sessionmaker[Session], run_dir: Path) -> JobError:
 def _rendezvous_failed(run_dir: Path) -> JobError:
     log = run_dir / "launcher.log"
     log.write_text("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n")
-    return _launcher_error(log, rc=1, started=False)
+    return launcher_error(log, rc=1, started=False)
 
 
 ABNORMAL_ENDS: dict[str, Callable[[sessionmaker[Session], Path], JobError]] = {
     "rank-error": _rank_error,
     "rendezvous-failed": lambda _, run_dir: _rendezvous_failed(run_dir),
-    "ranks-exited": lambda _, run_dir: _launcher_error(run_dir / "absent.log", rc=-9, started=True),
-    "ranks-ended-early": lambda _, run_dir: _launcher_error(run_dir / "absent.log", rc=0, started=True),
+    "ranks-exited": lambda _, run_dir: launcher_error(run_dir / "absent.log", rc=-9, started=True),
+    "ranks-ended-early": lambda _, run_dir: launcher_error(run_dir / "absent.log", rc=0, started=True),
     "not-retried": lambda *_: JobError(type="FloatingPointError", message="non-finite loss", rank=0),
 }
 
