@@ -17,7 +17,6 @@ import torch
 
 from dptrain_cli.workdir import pack
 from tests.e2e.helpers import ROOT, Procs, clean_env, wait_for_terminal, wait_healthy
-from tests.engine_fixtures import assert_bitwise_equal
 
 pytestmark = pytest.mark.e2e
 
@@ -64,7 +63,11 @@ def test_an_uploaded_entrypoint_runs_and_1_and_2_ranks_agree(
             for job_id in jobs:
                 job = wait_for_terminal(http, job_id, procs=procs, timeout=240)
                 assert job["status"] == "succeeded", job
-            one, two = (_final_state(http, j) for j in jobs)
-            assert_bitwise_equal(one["model"], two["model"], "parameters after 4 steps, 1 vs 2 ranks")
+            one, two = (_final_state(http, j)["model"] for j in jobs)
+            # Equal up to the order of float sums (a mean over 8 samples vs two means over 4), as in
+            # tests/engine/test_equivalence.py.
+            assert one.keys() == two.keys()
+            diff = max(float((one[k] - two[k]).abs().max()) for k in one)
+            assert diff <= 1e-6, f"world 2 differs from world 1 by {diff:.3e}"
     finally:
         procs.stop()
