@@ -97,11 +97,17 @@ class Client:
 
     def code_exists(self, sha256: str) -> bool:
         """HEAD /v1/code/{sha256}: whether the server already holds that archive."""
+        return self.code_status(sha256)[0]
+
+    def code_status(self, sha256: str) -> tuple[bool, int | None]:
+        """HEAD /v1/code/{sha256}: (held by the server, the server's archive size limit if it says)."""
         r = self.http.head(f"/v1/code/{sha256}")
+        limit = r.headers.get("X-Code-Max-Bytes", "")
+        max_bytes = int(limit) if limit.isdigit() else None
         if r.status_code == 404:
-            return False
+            return False, max_bytes
         self._check(r)
-        return True
+        return True, max_bytes
 
     def upload_code(self, sha256: str, path: Path) -> bool:
         """PUT /v1/code/{sha256} streaming the file at `path`; True if stored now, False if already there."""

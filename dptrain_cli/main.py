@@ -105,9 +105,14 @@ def _ship_code(client: Client, workdir: Path, *, max_bytes: int | None) -> str:
         if max_bytes is not None and packed.size_bytes > max_bytes:
             over = f"the archive is {packed.size_bytes} bytes, over --max-code-bytes {max_bytes}"
             raise _too_big(workdir, over)
+        sha256 = packed.sha256
         try:
-            sha256 = packed.sha256
-            uploaded = not client.code_exists(sha256) and client.upload_code(sha256, packed.path)
+            held, server_max = client.code_status(sha256)
+            if not held and server_max is not None and packed.size_bytes > server_max:
+                limit = f"the server's DPTRAIN_CODE_MAX_BYTES {server_max}"
+                over = f"the archive is {packed.size_bytes} bytes, over {limit}"
+                raise _too_big(workdir, over)
+            uploaded = not held and client.upload_code(sha256, packed.path)
         except ApiError as exc:
             if exc.status_code == 413:
                 raise _too_big(workdir, str(exc.detail)) from exc

@@ -18,17 +18,23 @@ Sha256Path = Annotated[
     str, Path(pattern=r"^[0-9a-f]{64}$", description="sha256 of the .tar.gz, lower-case hex.")
 ]
 _ARCHIVE = {"content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}
+MAX_BYTES_HEADER = "X-Code-Max-Bytes"
 # A refusal sent before the whole body was read: the connection cannot carry another request.
 _CLOSE = {"Connection": "close"}
 
 
 @router.head("/{sha256}", responses=error_responses(NotFound) | {200: {"description": "Stored"}})
 def has_code(sha256: Sha256Path, session: SessionDep, _user: CurrentUser, settings: SettingsDep) -> Response:
-    """200 with the archive's Content-Length if the server has it, else 404: upload only what is missing."""
+    """200 with the archive's Content-Length if the server has it, else 404: upload only what is missing.
+
+    Both answers carry the server's size limit (`X-Code-Max-Bytes`), so a client refuses an archive
+    over it before sending a byte, rather than meeting a 413 mid-upload.
+    """
+    limit = {MAX_BYTES_HEADER: str(settings.code_max_bytes)}
     size = service.stored_size(session, sha256=sha256, artifacts=settings.artifacts)
     if size is None:
-        return Response(status_code=status.HTTP_404_NOT_FOUND)
-    return Response(headers={"Content-Length": str(size)})
+        return Response(status_code=status.HTTP_404_NOT_FOUND, headers=limit)
+    return Response(headers={"Content-Length": str(size), **limit})
 
 
 @router.put(

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from dptrain_cli.client import Client
 from tests.cli.conftest import dptrain, flat
 
 
@@ -19,8 +20,12 @@ def sqlite_settings() -> dict[str, Any]:
 
 
 def test_an_archive_over_the_limit_exits_3_listing_the_largest_paths(
-    api: TestClient, spec_file: Callable[..., Path], tmp_path: Path
+    api: TestClient, spec_file: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    def no_upload(*_: Any) -> bool:
+        raise AssertionError("the CLI must refuse before uploading: HEAD told it the server's limit")
+
+    monkeypatch.setattr(Client, "upload_code", no_upload)
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     (work / "train.py").write_text("print('hello')\n")

@@ -89,7 +89,10 @@ def chunked(body: bytes) -> Iterator[bytes]:
 class TestUpload:
     def test_an_archive_is_stored_once_under_its_hash(self, api: TestClient) -> None:
         body, sha = archive()
-        assert api.head(f"/v1/code/{sha}").status_code == 404, "nothing stored yet"
+        missing = api.head(f"/v1/code/{sha}")
+        assert missing.status_code == 404, "nothing stored yet"
+        limit = str(api.app.state.settings.code_max_bytes)  # type: ignore[attr-defined]
+        assert missing.headers["x-code-max-bytes"] == limit, "the limit is told before any upload"
         r = api.put(f"/v1/code/{sha}", content=body, headers=GZIP)
         assert r.status_code == 201, r.text
         head = api.head(f"/v1/code/{sha}")
