@@ -9,11 +9,13 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from dptrain_cli.workdir import pack
 from tests.conftest import job_spec
 from tests.e2e.cluster import Cluster, running_cluster
 from tests.e2e.helpers import wait_for_terminal
@@ -109,6 +111,34 @@ def test_two_nodes_of_two_ranks_end_with_the_parameters_of_one_node_of_four(clus
         assert diff <= TOLERANCE, f"{name}: 2x2 vs 1x4 differ by {diff:.3g}"
     logs = cluster.http.get(f"/v1/jobs/{spread}/logs", params={"limit": 10_000}).json()["items"]
     assert {line["rank"] for line in logs} >= {0, 1, 2, 3}, "the ranks of both nodes report their logs"
+
+
+def test_a_command_job_spans_two_nodes_and_trains_as_on_one(cluster: Cluster, tmp_path: Path) -> None:
+    # The user's own DDP script, unmodified, under dptrain's torchrun on n0 and n1 (c10d rendezvous
+    # across nodes), against the same script's 2 ranks on one node: same final parameters.
+    packed = pack(Path(__file__).resolve().parents[1] / "fixtures" / "ddp_script", tmp_path / "code.tar.gz")
+    put = cluster.http.put(f"/v1/code/{packed.sha256}", content=packed.path.read_bytes())
+    assert put.status_code in (200, 201), put.text
+    jobs = {}
+    for nodes, ppn in ((2, 1), (1, 2)):
+        spec = {
+            "name": f"script-{nodes}x{ppn}",
+            "command": ["python", "train.py", "--steps", "6"],
+            "code": {"sha256": packed.sha256},
+            "resources": {"nodes": nodes, "processes_per_node": ppn, "device": "cpu"},
+            "hyperparameters": {"steps": 6},
+        }
+        jobs[nodes] = _submit(cluster, spec)
+    digests = {}
+    for nodes, job_id in jobs.items():
+        _succeeded(cluster, job_id)
+        logs = cluster.http.get(f"/v1/jobs/{job_id}/logs", params={"limit": 10_000}).json()["items"]
+        lines = [line["line"] for line in logs]
+        assert {"rank 0 of 2: training", "rank 1 of 2: training"} <= set(lines), lines
+        digests[nodes] = [line for line in lines if line.startswith("params sha256")]
+    placed = _placed_on(cluster, jobs[2]).removeprefix("placed on ").split(", ")
+    assert len(placed) == 2, f"placed on two nodes, got {placed}"
+    assert digests[2] and digests[2] == digests[1], f"2 nodes x 1 rank vs 1 node x 2 ranks: {digests}"
 
 
 def test_two_competing_two_node_jobs_on_three_nodes_both_finish(cluster: Cluster) -> None:

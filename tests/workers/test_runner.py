@@ -163,6 +163,22 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
 
 
 @pytest.mark.e2e
+def test_an_engine_job_that_makes_no_progress_ends_after_its_stall_timeout(
+    settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1 hangs and rank 0 waits in its collective, silent, well within the collective timeout:
+    # only the stall watchdog ends it.
+    monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "hang:rank=1:step=2")
+    job_id = _submit(sessions, engine={"collective_timeout_seconds": 600}, stall_timeout_seconds=10)
+    thread, out = run_in_thread(settings, job_id)
+    thread.join(timeout=120)
+    assert not thread.is_alive() and out == [JobStatus.FAILED], out
+    error = JobError.model_validate(job_row(sessions, job_id).error)
+    assert error.type == "Stalled" and "no progress for 10 s" in error.message, error
+    assert rank_processes(job_id) == [], "every rank is killed"
+
+
+@pytest.mark.e2e
 def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
