@@ -35,6 +35,23 @@ def test_engine_is_pure_torch_distributed() -> None:
     assert bad == {}, f"the engine must not import {forbidden}: {bad}"
 
 
+def test_the_sdk_reaches_no_service_code() -> None:
+    # User scripts import `dptrain` in the ranks: it must not pull in the service, its database or
+    # broker clients (nor need them installed); it shares only the engine's torch-free file formats.
+    forbidden = {
+        "service",
+        "celery",
+        "sqlalchemy",
+        "fastapi",
+        "kombu",
+        "dptrain_cli",
+        "migrations",
+        "psycopg",
+    }
+    bad = {f: m & forbidden for f, m in _imports(ROOT / "dptrain").items() if m & forbidden}
+    assert bad == {}, f"the SDK must not import {forbidden}: {bad}"
+
+
 def test_api_schemas_import_only_pydantic() -> None:
     # The engine and the API both read these models: they must stay importable without either side.
     allowed = {"api_schemas", "pydantic", "pydantic_core", "__future__"}
