@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from service.code import repository as code_repository
-from service.code.storage import archive_path
+from service.code.storage import archive_path, sweep_partial_uploads
 from service.config import Settings
 from service.dispatch import Dispatcher
 from service.jobs import repository
@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # History retention is measured in days: checking every 10 minutes is plenty.
 PURGE_EVERY_SECONDS = 600.0
+# A code upload still being received after this long was left by an API process that died.
+PARTIAL_UPLOAD_SECONDS = 86_400.0
 
 
 def recover_lost(
@@ -92,8 +94,14 @@ def purge_expired(
 ) -> int:
     """Delete the log lines and metrics of jobs finished over `retention_days` ago; returns how many jobs.
 
-    With `artifacts`, also the code archives no job refers to and nobody used in that time.
+    With `artifacts`, also the code archives no job refers to and nobody used in that time, and
+    (whatever the retention) uploads left half-received for a day.
     """
+    # Not history but litter, whatever the retention: no upload takes a day.
+    if artifacts is not None and (
+        n := sweep_partial_uploads(artifacts, older_than_seconds=PARTIAL_UPLOAD_SECONDS)
+    ):
+        log.info("deleted %d half-received code uploads", n)
     if retention_days <= 0:
         return 0
     cutoff = utcnow() - timedelta(days=retention_days)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ def archive_path(artifacts: Path, sha256: str) -> Path:
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+# An upload being received; left behind only by an API process that died mid-upload.
+_PARTIAL_PREFIX, _PARTIAL_SUFFIX = ".upload-", ".part"
 # Received bytes are hashed and written in pieces of about this size: one thread hop per piece.
 _PIECE = 1 << 20
 
@@ -61,7 +64,7 @@ async def receive(chunks: AsyncIterable[bytes], *, artifacts: Path, max_bytes: i
     """Stream `chunks` to a temporary file in the code folder while hashing; TooLarge past `max_bytes`."""
     folder = code_dir(artifacts)
     folder.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=folder, prefix=".upload-", suffix=".part")
+    fd, name = tempfile.mkstemp(dir=folder, prefix=_PARTIAL_PREFIX, suffix=_PARTIAL_SUFFIX)
     path = Path(name)
     digest, size, head, pending = hashlib.sha256(), 0, b"", bytearray()
     try:
@@ -97,3 +100,17 @@ async def drain(chunks: AsyncIterable[bytes], *, max_bytes: int) -> bool:
         if size > max_bytes:
             return False
     return True
+
+
+def sweep_partial_uploads(artifacts: Path, *, older_than_seconds: float) -> int:
+    """Delete uploads that a dead API process left half-received; returns how many."""
+    cutoff = time.time() - older_than_seconds
+    swept = 0
+    for path in code_dir(artifacts).glob(f"{_PARTIAL_PREFIX}*{_PARTIAL_SUFFIX}"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                swept += 1
+        except FileNotFoundError:  # finished or swept by another process meanwhile
+            continue
+    return swept

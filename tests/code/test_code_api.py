@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
 import tarfile
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -215,3 +217,16 @@ def test_retention_deletes_old_archives_no_job_uses(api: TestClient) -> None:
     assert files == sorted(f"{sha}.tar.gz" for sha in (used_sha, fresh_sha)), files
     assert (archives, uploads) == (2, 2), "the old unused archive's rows are gone, its uploads with it"
     assert api.head(f"/v1/code/{old_sha}").status_code == 404
+
+
+def test_uploads_left_half_received_are_swept_after_a_day(api: TestClient) -> None:
+    folder = code_dir(artifacts(api))
+    folder.mkdir(parents=True, exist_ok=True)
+    stale, live = folder / ".upload-dead.part", folder / ".upload-live.part"
+    for part in (stale, live):
+        part.write_bytes(b"\x1f\x8b half")
+    day_ago = time.time() - 86_400 - 60
+    os.utime(stale, (day_ago, day_ago))
+    purge_expired(sessions=sessions_of(api), retention_days=0, artifacts=artifacts(api))
+    assert not stale.exists(), "an upload a dead API process left behind is litter"
+    assert live.exists(), "an upload still being received is left alone"
