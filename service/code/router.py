@@ -33,8 +33,9 @@ def has_code(sha256: Sha256Path, session: SessionDep, _user: CurrentUser, settin
     limit = {MAX_BYTES_HEADER: str(settings.code_max_bytes)}
     size = service.stored_size(session, sha256=sha256, artifacts=settings.artifacts)
     if size is None:
-        return Response(status_code=status.HTTP_404_NOT_FOUND, headers=limit)
-    return Response(headers={"Content-Length": str(size), **limit})
+        # The media type a GET's 404 would have, though a HEAD answer carries no body.
+        return Response(status_code=status.HTTP_404_NOT_FOUND, headers=limit, media_type="application/json")
+    return Response(headers={"Content-Length": str(size), **limit}, media_type="application/gzip")
 
 
 @router.put(

@@ -40,7 +40,7 @@ def who_am_i(user: CurrentUser) -> UserInfo:
     return service.to_info(user)
 
 
-@router.patch("/{name}", response_model=UserInfo, responses=error_responses(Forbidden, NotFound))
+@router.patch("/{name}/permissions", response_model=UserInfo, responses=error_responses(Forbidden, NotFound))
 def update_user(name: UserPath, body: UserUpdate, session: SessionDep, user: CurrentUser) -> UserInfo:
     """Change what a user may do (admins only); fields left out stay as they are."""
     return service.grant(session, actor=user, name=name, can_run_code=body.can_run_code)

@@ -181,7 +181,9 @@ class TestWhoMay:
         r = api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **dan})
         assert r.status_code == 403 and "dptrain users grant dan --can-run-code" in r.json()["detail"], r.text
         assert stored(api) == ([], 0, 0)
-        assert api.patch("/v1/users/dan", json={"can_run_code": True}).json()["can_run_code"] is True
+        assert (
+            api.patch("/v1/users/dan/permissions", json={"can_run_code": True}).json()["can_run_code"] is True
+        )
         assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **dan}).status_code == 201
 
     @pytest.mark.parametrize("mode", ["off", "allowlist"])

@@ -108,15 +108,20 @@ class TestCanRunCode:
         token = add_user(db, "ned")
         # Looked up now, so the token cache holds ned as he was.
         assert client.get("/v1/users/me", headers=as_user(token)).json()["can_run_code"] is False
-        r = client.patch("/v1/users/ned", json={"can_run_code": True})
+        r = client.patch("/v1/users/ned/permissions", json={"can_run_code": True})
         assert r.status_code == 200 and r.json()["can_run_code"] is True, r.text
         assert client.get("/v1/users/me", headers=as_user(token)).json()["can_run_code"] is True, "at once"
-        assert client.patch("/v1/users/ned", json={}).json()["can_run_code"] is True, "left out: unchanged"
-        assert client.patch("/v1/users/ned", json={"can_run_code": False}).json()["can_run_code"] is False
-        assert client.patch("/v1/users/nobody", json={"can_run_code": True}).status_code == 404
+        assert client.patch("/v1/users/ned/permissions", json={}).json()["can_run_code"] is True, (
+            "left out: unchanged"
+        )
+        assert (
+            client.patch("/v1/users/ned/permissions", json={"can_run_code": False}).json()["can_run_code"]
+            is False
+        )
+        assert client.patch("/v1/users/nobody/permissions", json={"can_run_code": True}).status_code == 404
 
     def test_only_an_admin_grants(self, client: TestClient, db: Session) -> None:
         token = add_user(db, "oli")
-        r = client.patch("/v1/users/oli", json={"can_run_code": True}, headers=as_user(token))
+        r = client.patch("/v1/users/oli/permissions", json={"can_run_code": True}, headers=as_user(token))
         assert r.status_code == 403, f"not even to themselves: {r.text}"
         assert db.execute(select(User.can_run_code).where(User.name == "oli")).scalar_one() is False
