@@ -47,6 +47,7 @@ NOT_RETRIED = frozenset(
         "CodeCorrupt",
         "CodeMissing",
         "CommandNotFound",
+        "CommandNotExecutable",
     }
 )
 
