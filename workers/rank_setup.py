@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.code.storage import archive_path
-
 from api_schemas import CheckpointSpec, JobError
 from dptrain._env import sdk_env
+from service.code.storage import archive_path
 from service.config import Settings
 from workers.code_cache import CodeArchiveError, unpack_cached
 from workers.engine.launch import CODE_DIR_ENV, supervisor_id
