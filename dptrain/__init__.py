@@ -44,8 +44,12 @@ if TYPE_CHECKING:
 
 __all__ = ["is_active", "load_checkpoint", "report", "save_checkpoint", "should_stop"]
 
-# Used when the runner leaves DPTRAIN_KEEP_LAST unset (it always sets it); the spec's default.
-_DEFAULT_KEEP_LAST = 3
+
+def _default_keep_last() -> int:
+    # Only when the runner left DPTRAIN_KEEP_LAST unset (it always sets it): the spec's own default.
+    from api_schemas import CheckpointSpec
+
+    return int(CheckpointSpec.model_fields["keep_last"].default)
 
 
 @dataclass
@@ -102,7 +106,7 @@ def _run() -> _Run | None:
             run_dir=Path(env[RUN_DIR_ENV]),
             rank=int(env.get("RANK", "0")),
             checkpoint_dir=Path(env[CHECKPOINT_DIR_ENV]) if env.get(CHECKPOINT_DIR_ENV) else None,
-            keep_last=int(env.get(KEEP_LAST_ENV) or _DEFAULT_KEEP_LAST),
+            keep_last=int(env.get(KEEP_LAST_ENV) or _default_keep_last()),
         )
         _current = key, run
         return run

@@ -20,7 +20,7 @@ from api_schemas import JobStatus
 from dptrain_cli import server, users
 from dptrain_cli.client import ApiError, Client
 from dptrain_cli.junit import junit_report
-from dptrain_cli.workdir import largest_paths, pack
+from dptrain_cli.workdir import Packed, pack
 
 app = typer.Typer(no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP.")
 out = Console()
@@ -85,10 +85,10 @@ def _report_end(job: dict[str, Any]) -> None:
             err.print(e["traceback"], markup=False, highlight=False)
 
 
-def _too_big(workdir: Path, reason: str) -> typer.Exit:
+def _too_big(workdir: Path, packed: Packed, reason: str) -> typer.Exit:
     err.print(f"[red]code refused[/red]: {reason}")
     err.print("largest paths it would upload:")
-    for path, size in largest_paths(workdir):
+    for path, size in packed.largest:
         err.print(f"  {decimal(size):>10}  {path}", markup=False, highlight=False)
     err.print(f"Leave out what the job does not need with a .dptrainignore in {workdir} (.gitignore syntax).")
     return typer.Exit(EXIT_REFUSED)
@@ -102,20 +102,22 @@ def _ship_code(client: Client, workdir: Path, *, max_bytes: int | None) -> str:
         err.print(f"code {packed.sha256[:12]} {decimal(packed.size_bytes)} ({packed.files} files)")
         for path, why in packed.skipped:
             err.print(f"[yellow]warning[/yellow]: skipped {path}: {why}", highlight=False)
-        if max_bytes is not None and packed.size_bytes > max_bytes:
-            over = f"the archive is {packed.size_bytes} bytes, over --max-code-bytes {max_bytes}"
-            raise _too_big(workdir, over)
+
+        def refuse_over(limit: int | None, name: str) -> None:
+            if limit is not None and packed.size_bytes > limit:
+                over = f"the archive is {packed.size_bytes} bytes, over {name} {limit}"
+                raise _too_big(workdir, packed, over)
+
+        refuse_over(max_bytes, "--max-code-bytes")
         sha256 = packed.sha256
         try:
             held, server_max = client.code_status(sha256)
-            if not held and server_max is not None and packed.size_bytes > server_max:
-                limit = f"the server's DPTRAIN_CODE_MAX_BYTES {server_max}"
-                over = f"the archive is {packed.size_bytes} bytes, over {limit}"
-                raise _too_big(workdir, over)
+            if not held:
+                refuse_over(server_max, "the server's DPTRAIN_CODE_MAX_BYTES")
             uploaded = not held and client.upload_code(sha256, packed.path)
         except ApiError as exc:
             if exc.status_code == 413:
-                raise _too_big(workdir, str(exc.detail)) from exc
+                raise _too_big(workdir, packed, str(exc.detail)) from exc
             raise _refused(exc) from exc
     err.print("code uploaded" if uploaded else "code already on the server")
     return sha256

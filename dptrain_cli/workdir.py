@@ -10,13 +10,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import heapq
+import io
 import os
 import stat
 import tarfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, BinaryIO, Literal
 
 from pathspec import GitIgnoreSpec
 
@@ -182,15 +183,34 @@ def _tarinfo(entry: Entry) -> tarfile.TarInfo:
     return info
 
 
+class _Hashing(io.RawIOBase):
+    """A write-only file that hashes what goes through it: the archive is hashed as it is written."""
+
+    def __init__(self, raw: BinaryIO, digest: Any) -> None:
+        super().__init__()
+        self.raw, self.digest = raw, digest
+
+    def writable(self) -> bool:
+        """A writer, never a reader."""
+        return True
+
+    def write(self, data: Any) -> int:
+        """Hash and write `data`."""
+        self.digest.update(data)
+        return self.raw.write(data)
+
+
 def pack(directory: Path, out: Path) -> Packed:
     """Write `directory` as a reproducible `.tar.gz` to `out` (never packing `out` itself)."""
     skipped: list[tuple[str, str]] = []
     out_abs = os.path.join(os.path.realpath(Path(out).parent), Path(out).name)
     out_rel = Path(os.path.relpath(out_abs, os.path.realpath(directory))).as_posix()
     entries = [e for e in walk(directory, skipped) if e.rel != out_rel]
+    digest = hashlib.sha256()
     with (
         open(out, "wb") as raw,
-        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="", compresslevel=6) as gz,
+        _Hashing(raw, digest) as hashed,
+        gzip.GzipFile(fileobj=hashed, mode="wb", mtime=0, filename="", compresslevel=6) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8") as tar,
     ):
         for entry in entries:
@@ -201,11 +221,9 @@ def pack(directory: Path, out: Path) -> Packed:
             else:
                 tar.addfile(info)
     files = [(e.rel, e.size) for e in entries if e.kind == "file"]
-    with open(out, "rb") as fh:
-        digest = hashlib.file_digest(fh, "sha256").hexdigest()
     return Packed(
         path=Path(out),
-        sha256=digest,
+        sha256=digest.hexdigest(),
         size_bytes=os.path.getsize(out),
         files=sum(e.kind != "dir" for e in entries),
         largest=_biggest(files, LARGEST),

@@ -66,6 +66,11 @@ class TooManyRequests(ServiceError):
         super().__init__(message, headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
 
+def invalid_field(loc: tuple[str, ...], msg: str, value: object) -> RequestValidationError:
+    """A 422 naming the field at `loc` (e.g. `("body", "code", "sha256")`), as FastAPI's own are."""
+    return RequestValidationError([{"type": "value_error", "loc": loc, "msg": msg, "input": value}])
+
+
 def error_responses(*errors: type[ServiceError]) -> dict[int | str, dict[str, object]]:
     """OpenAPI `responses=` entries for the errors a route may answer."""
     from api_schemas import ErrorBody

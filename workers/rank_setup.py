@@ -13,15 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api_schemas import CheckpointSpec, JobError
+from api_schemas import JobError
 from dptrain._env import sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
 from workers.code_cache import CodeArchiveError, unpack_cached
 from workers.engine.launch import CODE_DIR_ENV, supervisor_id
 from workers.rank_env import rank_environment
-
-KEEP_LAST_DEFAULT: int = CheckpointSpec.model_fields["keep_last"].default
 
 
 class SetupFailed(Exception):
@@ -63,7 +61,6 @@ class RankSetup:
     cwd: Path
     env: dict[str, str]
     run_as: RunAs | None
-    code_dir: Path | None
 
 
 def unpack_code(settings: Settings, spec: dict[str, Any]) -> Path | None:
@@ -104,7 +101,7 @@ def prepare(
         attempt=attempt,
         run_dir=run_dir,
         checkpoint_dir=checkpoint_dir,
-        keep_last=int(spec.get("checkpoint", {}).get("keep_last", KEEP_LAST_DEFAULT)),
+        keep_last=int(spec["checkpoint"]["keep_last"]),
         supervisor=supervisor_id(),
     )
     if code_dir is not None:
@@ -112,15 +109,17 @@ def prepare(
     env = rank_environment(
         worker_env=os.environ, dptrain=ours, user=spec.get("env") or {}, home=home, code_dir=code_dir
     )
-    return RankSetup(cwd=code_dir or run_dir, env=env, run_as=run_as, code_dir=code_dir)
+    return RankSetup(cwd=code_dir or run_dir, env=env, run_as=run_as)
 
 
-def _chown_tree(top: Path, uid: int, gid: int) -> None:
+def _own(top: Path, uid: int, gid: int) -> None:
+    """Give the tree at `top` to uid:gid, `top` itself private to its owner (0700)."""
     for root, dirs, files in os.walk(top):
         for name in (*dirs, *files):
             with contextlib.suppress(FileNotFoundError):
                 os.lchown(os.path.join(root, name), uid, gid)
     os.chown(top, uid, gid)
+    os.chmod(top, 0o700)
 
 
 def _hand_over(run_as: RunAs, *, settings: Settings, run_dir: Path, checkpoint_dir: Path) -> None:
@@ -133,8 +132,7 @@ def _hand_over(run_as: RunAs, *, settings: Settings, run_dir: Path, checkpoint_d
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o711)
     for owned in (run_dir, checkpoint_dir):
-        _chown_tree(owned, run_as.uid, run_as.gid)
-        os.chmod(owned, 0o700)
+        _own(owned, run_as.uid, run_as.gid)
 
 
 def take_back(*, run_dir: Path, checkpoint_dir: Path | None) -> None:
@@ -142,5 +140,4 @@ def take_back(*, run_dir: Path, checkpoint_dir: Path | None) -> None:
     uid, gid = os.getuid(), os.getgid()
     for owned in (run_dir, checkpoint_dir):
         if owned is not None and owned.exists():
-            _chown_tree(owned, uid, gid)
-            os.chmod(owned, 0o700)
+            _own(owned, uid, gid)

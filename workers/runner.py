@@ -282,7 +282,8 @@ def _launch(
     max_runtime = spec.get("max_runtime_seconds")
     deadline = time.monotonic() + max_runtime if max_runtime else None
     watch = Watch(
-        stall_seconds=float(spec.get("stall_timeout_seconds", STALL_TIMEOUT_DEFAULT)),
+        # A spec stored before stall_timeout_seconds existed has none: the field's default applies.
+        stall_seconds=spec.get("stall_timeout_seconds", STALL_TIMEOUT_DEFAULT),
         grace=settings.cancel_grace_seconds,
         stop_file=stop_file(paths.run_dir) if command is not None else None,
     )
@@ -348,7 +349,7 @@ def _launch(
         reporter=reporter,
         run=run,
         rc=proc.returncode,
-        stopped_for=watch.stopped_for,
+        watch=watch,
         paths=paths,
         max_runtime=max_runtime,
     )
@@ -360,11 +361,11 @@ def _record_outcome(
     reporter: Reporter,
     run: NodeRun,
     rc: int,
-    stopped_for: str | None,
+    watch: Watch,
     paths: RunPaths,
     max_runtime: int | None,
 ) -> JobStatus:
-    att = run.att
+    att, stopped_for = run.att, watch.stopped_for
     job_id, token = att.job_id, att.token
     if stopped_for == "fenced":
         return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
@@ -376,8 +377,7 @@ def _record_outcome(
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
         return JobStatus.FAILED
     if stopped_for == "stall":
-        stall = run.spec.get("stall_timeout_seconds", STALL_TIMEOUT_DEFAULT)
-        message = f"no progress for {stall} s: no rank reported a step or wrote a log line"
+        message = f"no progress for {watch.stall_seconds:g} s: no rank reported a step or wrote a log line"
         return end_abnormally(sessions, att=att, error=JobError(type="Stalled", message=message))
     # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
     # says it finished, so a rank that exits 0 early is not mistaken for success.

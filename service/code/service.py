@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi.exceptions import RequestValidationError
 from sqlalchemy.orm import Session
 
 from service.code import repository, storage
 from service.config import Settings
-from service.errors import Forbidden, NotFound
+from service.errors import Forbidden, NotFound, invalid_field
 from service.models import User
 from service.models.base import utcnow
 
@@ -24,7 +23,7 @@ def refuse_unless_may_run_code(user: User) -> None:
     if not may_run_code(user):
         raise Forbidden(
             f"user {user.name} may not run code: an admin grants it with "
-            f"`dptrain users grant {user.name} --can-run-code` (or PATCH /v1/users/{user.name})"
+            f"`dptrain users grant {user.name} --can-run-code` (or PATCH /v1/users/{user.name}/permissions)"
         )
 
 
@@ -90,8 +89,3 @@ def readable_archive(session: Session, *, user: User, sha256: str, artifacts: Pa
     if stored_size(session, sha256=sha256, artifacts=artifacts) is None:
         raise missing
     return storage.archive_path(artifacts, sha256)
-
-
-def invalid_field(loc: tuple[str, ...], msg: str, value: object) -> RequestValidationError:
-    """A 422 naming the field at `loc` (e.g. `("body", "code", "sha256")`), as FastAPI's own are."""
-    return RequestValidationError([{"type": "value_error", "loc": loc, "msg": msg, "input": value}])

@@ -7,9 +7,9 @@ from sqlalchemy.orm import Session
 from api_schemas import JobSpec, entrypoint_allowed
 from service.code import repository as code_repository
 from service.code import storage
-from service.code.service import invalid_field, refuse_unless_may_run_code
+from service.code.service import refuse_unless_may_run_code
 from service.config import Settings
-from service.errors import Forbidden
+from service.errors import Forbidden, invalid_field
 from service.models import User
 from service.models.base import utcnow
 

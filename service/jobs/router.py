@@ -38,6 +38,7 @@ from service.errors import (
     NotFound,
     PayloadTooLarge,
     error_responses,
+    invalid_field,
 )
 from service.etag import conditional, conditional_json
 from service.jobs import events, metrics_repository, policy, repository, service
@@ -105,9 +106,7 @@ def _iso_8601(value: object) -> object:
 
 
 def _invalid_query(field: str, message: str, value: object) -> RequestValidationError:
-    return RequestValidationError(
-        [{"type": "value_error", "loc": ("query", field), "msg": message, "input": value}]
-    )
+    return invalid_field(("query", field), message, value)
 
 
 @router.get("", response_model=JobList, responses=_NOT_MODIFIED)
