@@ -22,11 +22,14 @@ from api_schemas.jobs import (
     Transition,
     entrypoint_allowed,
 )
-from api_schemas.recipes import RECIPES
+from api_schemas.recipes import EVAL_METRICS, RECIPES
+from api_schemas.training import EVAL_METRIC_PATTERN, EvaluationSpec, KeepBest
 from api_schemas.users import IssuedToken, UserCreate, UserInfo
 from api_schemas.workers import Worker, WorkerList
 
 __all__ = [
+    "EVAL_METRICS",
+    "EVAL_METRIC_PATTERN",
     "RECIPES",
     "CheckpointInfo",
     "CheckpointList",
@@ -34,6 +37,7 @@ __all__ = [
     "CodeRef",
     "EngineOptions",
     "ErrorBody",
+    "EvaluationSpec",
     "Hyperparameters",
     "IssuedToken",
     "Job",
@@ -41,6 +45,7 @@ __all__ = [
     "JobList",
     "JobSpec",
     "JobStatus",
+    "KeepBest",
     "LogLine",
     "LogPage",
     "MetricSeries",

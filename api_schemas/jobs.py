@@ -13,7 +13,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
     StringConstraints,
     ValidationError,
     WithJsonSchema,
@@ -23,7 +22,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from api_schemas.base import JsonValue, Strict
 from api_schemas.code import CodeRef, CommandArg, EnvName, EnvValue
-from api_schemas.recipes import RECIPES
+from api_schemas.recipes import EVAL_METRICS, RECIPES
+from api_schemas.training import CheckpointSpec, EngineOptions, EvaluationSpec
 
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -102,59 +102,6 @@ class Resources(Strict):
     device: Literal["cpu", "cuda"] = "cpu"
 
 
-class EngineOptions(Strict):
-    """Data-parallel engine options."""
-
-    bucket_cap_mb: float = Field(25.0, gt=0, le=1024, description="Gradient allreduce bucket size.")
-    log_every_steps: int = Field(1, ge=1, le=1_000_000, description="Report metrics every N steps.")
-    collective_timeout_seconds: int = Field(300, ge=5, le=86_400)
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Autocast dtype for forward and loss; parameters and optimizer stay fp32."
-    )
-    grad_accumulation_steps: int = Field(
-        1,
-        ge=1,
-        le=1024,
-        description="Micro-batches per optimizer step; must divide global_batch_size / world size.",
-    )
-    grad_clip_norm: float | None = Field(
-        None, gt=0, description="Clip the averaged gradient's total L2 norm to this; null for no clipping."
-    )
-    buffers: Literal["broadcast", "average"] = Field(
-        "average",
-        description="Keep buffers (BatchNorm running stats) in step across ranks: `average` them after every "
-        "step (uses every rank's data) or `broadcast` rank 0's at every forward.",
-    )
-    sync_batchnorm: StrictBool = Field(
-        False,
-        description="BatchNorm over the whole global batch (SyncBatchNorm) instead of each rank's shard.",
-    )
-    mode: Literal["allreduce", "local_sgd"] = Field(
-        "allreduce",
-        description="`allreduce` averages gradients every step; `local_sgd` lets each rank step on its own "
-        "gradient and averages parameters every `local_sgd_period` steps (after the warm-up).",
-    )
-    local_sgd_period: int = Field(4, ge=1, le=1_000_000, description="LocalSGD: steps between averagings.")
-    local_sgd_warmup_steps: int = Field(
-        0, ge=0, le=100_000_000, description="LocalSGD: ordinary allreduce steps before local steps begin."
-    )
-    sparse: Literal["allgather", "dense"] = Field(
-        "allgather",
-        description="Sparse gradients (embeddings): all-gather each rank's touched rows, or densify and "
-        "allreduce.",
-    )
-    activation_checkpointing: StrictBool = Field(
-        False, description="Recompute activations in backward instead of storing them: less memory."
-    )
-
-
-class CheckpointSpec(Strict):
-    """When checkpoints are written and how many are kept; one is always written at the last step."""
-
-    every_steps: int = Field(100, ge=1, le=100_000_000)
-    keep_last: int = Field(3, ge=1, le=1000)
-
-
 class JobSpec(Strict):
     """What a user submits to `POST /v1/jobs`."""
 
@@ -189,6 +136,11 @@ class JobSpec(Strict):
     resources: Resources = Field(default_factory=Resources)
     engine: EngineOptions = Field(default_factory=EngineOptions)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    evaluation: EvaluationSpec | None = Field(
+        None,
+        description="Evaluate on the plan's eval dataset (a recipe's eval split); reports `eval/loss` and "
+        "`eval/<name>` metrics.",
+    )
     max_restarts: int = Field(0, ge=0, le=100)
     max_runtime_seconds: int | None = Field(None, ge=1, le=30 * 86_400)
     priority: int = Field(0, ge=-1000, le=1000)
@@ -256,6 +208,7 @@ class JobSpec(Strict):
         # A command splits its batches itself; the engine's rule is for the engine's split.
         if self.command is None and (reason := self._uneven_batch(self.world_size)) is not None:
             refuse(("hyperparameters", "global_batch_size"), reason, self.hyperparameters.global_batch_size)
+        self._evaluation_rules(refuse)
         if (model := RECIPES.get(self.recipe or "")) is not None:
             try:
                 model.model_validate(self.hyperparameters.model_extra or {})
@@ -268,6 +221,28 @@ class JobSpec(Strict):
         if errors:
             raise ValidationError.from_exception_data(type(self).__name__, errors)
         return self
+
+    def _evaluation_rules(self, refuse: Any) -> None:
+        if self.evaluation is not None and self.command is not None:
+            refuse(
+                ("evaluation",),
+                "a command evaluates on its own: report its figures with "
+                "dptrain.report(step, **{'eval/loss': ...})",
+                None,
+            )
+        best = self.checkpoint.keep_best
+        if best is None:
+            return
+        if self.evaluation is None:
+            reason = "keep_best needs 'evaluation' (it ranks evaluation figures)"
+            refuse(("checkpoint", "keep_best"), reason, None)
+        known = EVAL_METRICS.get(self.recipe or "")
+        if known is not None and best.metric not in known:
+            refuse(
+                ("checkpoint", "keep_best", "metric"),
+                f"recipe {self.recipe!r} reports {', '.join(known)}, not {best.metric!r}",
+                best.metric,
+            )
 
 
 def entrypoint_allowed(entrypoint: str, allowed_prefixes: Sequence[str]) -> bool:

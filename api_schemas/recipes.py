@@ -3,7 +3,9 @@ engine's recipe builds from the same model)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
 
 from api_schemas.base import Strict
 
@@ -65,6 +67,28 @@ class SparseEmbeddingParams(Strict):
     dataset_size: int = Field(1024, ge=1, le=100_000_000)
 
 
+class GptParams(Strict):
+    """Extras of the `gpt` recipe (a decoder-only transformer on deterministic synthetic tokens)."""
+
+    vocab_size: int = Field(256, ge=2, le=1_000_000)
+    seq_len: int = Field(64, ge=1, le=65_536, description="Tokens per sample (the context length).")
+    d_model: int = Field(64, ge=1, le=65_536, description="Width; must be divisible by n_heads.")
+    n_heads: int = Field(4, ge=1, le=1024)
+    n_layers: int = Field(2, ge=1, le=512)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    optimizer: Literal["sgd", "adamw"] = Field(
+        "adamw", description="`adamw` (decay on matrices only) or `sgd` (the spec's lr, momentum, decay)."
+    )
+    dataset_size: int = Field(2048, ge=1, le=100_000_000)
+    eval_size: int = Field(256, ge=1, le=100_000_000, description="Samples in the held-out eval split.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GptParams:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        return self
+
+
 # Recipe name -> model of its hyperparameter extras. The engine registers a builder under each name
 # (a test keeps the two in step).
 RECIPES: dict[str, type[BaseModel]] = {
@@ -73,4 +97,16 @@ RECIPES: dict[str, type[BaseModel]] = {
     "cnn_bn": CnnBnParams,
     "partial_fc": PartialFcParams,
     "sparse_embedding": SparseEmbeddingParams,
+    "gpt": GptParams,
+}
+
+# What each recipe's evaluation reports (the spec checks `checkpoint.keep_best.metric` against it; a
+# test checks the recipes report exactly these).
+EVAL_METRICS: dict[str, tuple[str, ...]] = {
+    "mlp": ("eval/loss", "eval/accuracy"),
+    "lstm_lm": ("eval/loss", "eval/accuracy"),
+    "cnn_bn": ("eval/loss", "eval/accuracy"),
+    "partial_fc": ("eval/loss", "eval/accuracy"),
+    "sparse_embedding": ("eval/loss", "eval/accuracy"),
+    "gpt": ("eval/loss", "eval/accuracy"),
 }

@@ -39,10 +39,31 @@ from typing import TYPE_CHECKING, Any
 from dptrain._env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, stop_file
 
 if TYPE_CHECKING:
+    from dptrain.plan import BuildContext, Plan
     from workers.engine.checkpoint import CheckpointManager
     from workers.engine.events import EventWriter
 
-__all__ = ["is_active", "load_checkpoint", "report", "save_checkpoint", "should_stop"]
+__all__ = [
+    "BuildContext",
+    "Plan",
+    "is_active",
+    "load_checkpoint",
+    "report",
+    "save_checkpoint",
+    "should_stop",
+]
+
+# Imported on first use, so `import dptrain` in a script stays free of torch (see dptrain/plan.py).
+_LAZY = {"Plan": "dptrain.plan", "BuildContext": "dptrain.plan"}
+
+
+def __getattr__(name: str) -> Any:
+    """`from dptrain import Plan` imports dptrain.plan (and torch) only then."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dptrain' has no attribute {name!r}")
 
 
 def _default_keep_last() -> int:

@@ -53,6 +53,8 @@ class Trainer:
         self.local_batch_size = spec.local_batch_size(env.world_size)  # refuses an uneven split
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
         self.dataset = plan.dataset if hasattr(plan.dataset, "batch") else MapDataset(plan.dataset)
+        if plan.loss_fn is None:
+            raise NotImplementedError("compute_loss plans: the engine's step conventions come next")
         self.loss_fn = plan.loss_fn
         self.sharded = list(plan.sharded)
         params = dict(self.model.named_parameters())
