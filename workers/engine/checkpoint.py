@@ -49,6 +49,23 @@ def step_of(path: str | os.PathLike[str]) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def best_marker(directory: str | os.PathLike[str]) -> Path:
+    """The file naming the step of the best checkpoint (checkpoint.keep_best), one line: the step."""
+    return Path(directory) / "best-step"
+
+
+def read_best_step(directory: str | os.PathLike[str]) -> int | None:
+    """The step the best marker names, if there is a marker and its checkpoint file; else None."""
+    try:
+        text = best_marker(directory).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not text.isascii() or not text.isdigit():
+        return None
+    step = int(text)
+    return step if step <= _MAX_STEP and (Path(directory) / checkpoint_name(step)).exists() else None
+
+
 def checkpoint_files(directory: str | os.PathLike[str]) -> dict[int, Path]:
     """The checkpoint files in `directory` by step, oldest first (empty if there is no such directory)."""
     directory = Path(directory)

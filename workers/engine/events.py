@@ -59,6 +59,8 @@ class CheckpointEvent(_Event):
     size_bytes: int
     sha256: str
     deleted: list[str] = Field(default_factory=list)
+    # checkpoint.keep_best: this save is the job's best so far (the previous best is no longer).
+    best: bool = False
 
 
 class FinishedEvent(_Event):
