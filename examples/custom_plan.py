@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from workers.engine.recipes import Plan
+from dptrain import Plan
 
 
 def _dataset(features: int, size: int, seed: int) -> TensorDataset:

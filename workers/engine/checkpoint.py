@@ -9,6 +9,7 @@ that the Celery worker process, which lists and matches checkpoint files between
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import re
@@ -18,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol, cast
+from typing import IO, Any, Literal, Protocol, cast
 
 import xxhash
 
@@ -186,6 +187,7 @@ class SavedCheckpoint:
     size_bytes: int
     sha256: str
     deleted: list[Path] = field(default_factory=list)
+    best: bool = False
 
     def event(self) -> CheckpointEvent:
         """The event that tells the runner of this save (a job checkpoint row, and the pruned ones gone)."""
@@ -195,6 +197,7 @@ class SavedCheckpoint:
             size_bytes=self.size_bytes,
             sha256=self.sha256,
             deleted=[str(p) for p in self.deleted],
+            best=self.best,
         )
 
 
@@ -218,6 +221,7 @@ class CheckpointManager:
         every_steps: int = 1,
         *,
         training_state: bool = True,
+        keep_best: Literal["min", "max"] | None = None,
     ) -> None:
         if keep_last < 1 or every_steps < 1:
             raise ValueError(f"keep_last ({keep_last}) and every_steps ({every_steps}) must be >= 1")
@@ -228,6 +232,10 @@ class CheckpointManager:
         # The engine's checkpoints are training states ('model' and an int 'iter'), which read()
         # checks; the SDK's (dptrain.save_checkpoint) are whatever dict the user's script saved.
         self.training_state = training_state
+        # checkpoint.keep_best: whether a lower or a higher figure is better, and the best (step, figure)
+        # so far, which the training state carries across a restart (`best_state`, `restore_best`).
+        self.keep_best = keep_best
+        self.best: tuple[int, float] | None = None
         self._unlinker: ThreadPoolExecutor | None = None
         self._unlinking: list[Future[None]] = []
         if is_main:
@@ -244,13 +252,40 @@ class CheckpointManager:
         """Steps that have a checkpoint file, oldest first."""
         return list(checkpoint_files(self.directory))
 
+    def is_better(self, value: float) -> bool:
+        """Whether an evaluation figure beats the best so far (never for NaN; always for the first)."""
+        if self.keep_best is None or math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        return value < self.best[1] if self.keep_best == "min" else value > self.best[1]
+
+    def best_state(self) -> dict[str, Any]:
+        """The best so far as weights_only-safe values for the training state ({} if none)."""
+        return {} if self.best is None else {"best": {"step": self.best[0], "value": self.best[1]}}
+
+    def restore_best(self, state: Mapping[str, Any]) -> None:
+        """Take the best so far from a loaded training state (every rank: the same decisions follow)."""
+        best = state.get("best")
+        if self.keep_best is None or not isinstance(best, dict):
+            return
+        step, value = best.get("step"), best.get("value")
+        if isinstance(step, int) and isinstance(value, float):
+            self.best = (step, value)
+
     def should_save(self, step: int, last: bool = False) -> bool:
         """Every `every_steps` steps, and always at the last step."""
         return last or step % self.every_steps == 0
 
-    def save(self, step: int, state: Mapping[str, Any], last: bool = False) -> SavedCheckpoint | None:
-        """Write `state` for `step` if due (and on rank 0); returns what was written, else None."""
-        if not self.is_main or not self.should_save(step, last):
+    def save(
+        self, step: int, state: Mapping[str, Any], last: bool = False, *, best: bool = False
+    ) -> SavedCheckpoint | None:
+        """Write `state` for `step` if due or `best` (and on rank 0); returns what was written, else None.
+
+        `best`: this is the best checkpoint so far (set `self.best` first): the marker names it, and
+        pruning keeps it besides the newest `keep_last`.
+        """
+        if not self.is_main or not (best or self.should_save(step, last)):
             return None
         import torch  # here, not at the top: see the module's docstring
 
@@ -269,9 +304,17 @@ class CheckpointManager:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+        if best:
+            # After the file: the marker never names a checkpoint that is not there yet.
+            _write_atomic(best_marker(self.directory), f"{step}\n".encode())
         _fsync_dir(self.directory)
         return SavedCheckpoint(
-            step=step, path=path, size_bytes=digests.size, sha256=digests.sha256, deleted=self._prune()
+            step=step,
+            path=path,
+            size_bytes=digests.size,
+            sha256=digests.sha256,
+            deleted=self._prune(),
+            best=best,
         )
 
     @staticmethod
@@ -300,7 +343,10 @@ class CheckpointManager:
     def _prune(self) -> list[Path]:
         steps = self.steps()
         deleted = []
+        keep = self.best[0] if self.best is not None else None
         for step in steps[: max(0, len(steps) - self.keep_last)]:
+            if step == keep:
+                continue
             path = self.path_for(step)
             self._remove(path)
             # After the file: never a checkpoint without its sidecars.

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import default_collate
+
+from workers.engine.conventions import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -96,15 +99,20 @@ class GlobalBatchSampler:
 
 
 class MapDataset:
-    """Adapts a map-style dataset of `(input, target)` items to the engine's `batch(indices, device)`."""
+    """Adapts a map-style dataset (items: tensors, tuples or dicts of them) to `batch(indices, device)`."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self.dataset = dataset
+        self.collate_fn = collate_fn or default_collate
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def batch(self, indices: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Collate the items at `indices` with torch's default_collate and move them to `device`."""
-        inputs, targets = default_collate([self.dataset[int(i)] for i in indices])
-        return inputs.to(device), targets.to(device)
+    def batch(self, indices: torch.Tensor, device: torch.device) -> Any:
+        """The items at `indices`, collated (the plan's collate_fn or default_collate), moved to `device`."""
+        return to_device(self.collate_fn([self.dataset[int(i)] for i in indices]), device)
+
+
+def batch_source(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> Any:
+    """The dataset itself if it gathers its own batches (`batch(indices, device)`), else a MapDataset."""
+    return dataset if hasattr(dataset, "batch") else MapDataset(dataset, collate_fn)

@@ -68,9 +68,11 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     """Build everything from the spec and train; raises on any failure."""
     import torch
 
+    from dptrain.plan import BuildContext
     from workers.engine import distributed as D
     from workers.engine.checkpoint import CheckpointManager
     from workers.engine.config import configure
+    from workers.engine.conventions import build_plan
     from workers.engine.faults import fault_from_env
     from workers.engine.recipes import builder_of, plan_params
     from workers.engine.trainer import Trainer
@@ -98,9 +100,20 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         seed = spec.hyperparameters.seed
         # Same seed on every rank; DDP then broadcasts rank 0's weights anyway, so this is belt and braces.
         torch.manual_seed(seed)
-        plan = builder(plan_params(spec), seed)
+        ctx = BuildContext(
+            device=device,
+            world_size=env.world_size,
+            rank=env.rank,
+            local_batch_size=spec.local_batch_size(env.world_size),
+        )
+        plan = build_plan(builder, plan_params(spec), seed, ctx)
+        best = spec.checkpoint.keep_best
         checkpoints = CheckpointManager(
-            args.checkpoint_dir, spec.checkpoint.keep_last, env.is_main, spec.checkpoint.every_steps
+            args.checkpoint_dir,
+            spec.checkpoint.keep_last,
+            env.is_main,
+            spec.checkpoint.every_steps,
+            keep_best=best.mode if best is not None else None,
         )
         Trainer(spec, plan, env, device, events, checkpoints, fault=fault, backend=backend).train()
         print(f"job {args.job_id}: rank {env.rank} done")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import torch
@@ -16,12 +15,15 @@ from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
-from workers.engine.data import GlobalBatchSampler, MapDataset
-from workers.engine.events import EventWriter, FinishedEvent, StartedEvent
+from workers.engine.conventions import check_loss, loss_and_outputs, make_optimizer, split_batch
+from workers.engine.data import GlobalBatchSampler, batch_source
+from workers.engine.evaluation import Evaluator
+from workers.engine.events import EventWriter, FinishedEvent, MetricsEvent, StartedEvent
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
 from workers.engine.metrics_window import MetricsWindow
+from workers.engine.nonfinite import NonFiniteGuard
 from workers.engine.recipes import Plan
 from workers.engine.sharding import gather_state, optimizer_param_names, slice_state
 from workers.engine.sparse import (
@@ -51,11 +53,9 @@ class Trainer:
         self.spec, self.env, self.device = spec, env, device
         self.events, self.checkpoints, self.fault, self.backend = events, checkpoints, fault, backend
         self.local_batch_size = spec.local_batch_size(env.world_size)  # refuses an uneven split
+        self.plan = plan
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
-        self.dataset = plan.dataset if hasattr(plan.dataset, "batch") else MapDataset(plan.dataset)
-        if plan.loss_fn is None:
-            raise NotImplementedError("compute_loss plans: the engine's step conventions come next")
-        self.loss_fn = plan.loss_fn
+        self.dataset = batch_source(plan.dataset, plan.collate_fn)
         self.sharded = list(plan.sharded)
         params = dict(self.model.named_parameters())
         missing = [n for n in self.sharded if n not in params]
@@ -69,13 +69,14 @@ class Trainer:
         # Weight decay lives in the optimizer, applied to the already rank-averaged gradient, so it is
         # the same at any world size (the Caffe2 "scale the loss, not the LR" lesson).
         self.optimizer = (
-            plan.optimizer(self.model.parameters())
+            make_optimizer(plan.optimizer, self.model)
             if plan.optimizer is not None
             # Plain SGD for sparse-gradient tables (torch's refuses their weight decay): see sparse.py.
             else default_sgd(self.model, t.lr, t.momentum, t.weight_decay)
         )
         self.scheduler = plan.lr_scheduler(self.optimizer) if plan.lr_scheduler is not None else None
         self.optim_names = optimizer_param_names(self.model, self.optimizer)
+        self.guard = NonFiniteGuard(optimizer=self.optimizer, env=env, device=device)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
         self.iter = 0  # optimizer steps completed (Caffe2's ITER)
         self.train_model: nn.Module = self.model  # DDP wrapper once wrap() ran at world > 1
@@ -89,6 +90,25 @@ class Trainer:
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
         self.local_sgd: LocalSGD | None = None  # built by wrap() for engine.mode "local_sgd" at world > 1
         self.sparse_sync: SparseGradSync | None = None  # set by wrap() at world > 1 for sparse-grad params
+        self.evaluator = self._evaluator()
+
+    def _evaluator(self) -> Evaluator | None:
+        ev = self.spec.evaluation
+        if ev is None:
+            return None
+        if self.plan.eval_dataset is None:
+            raise ValueError("the spec asks for evaluation but the plan has no eval_dataset")
+        # Fixed by the spec, not by the world size this attempt runs at: the same batches at any world.
+        size = ev.batch_size or max(1, self.spec.hyperparameters.global_batch_size // self.spec.world_size)
+        return Evaluator(
+            plan=self.plan,
+            dataset=batch_source(self.plan.eval_dataset, self.plan.collate_fn),
+            env=self.env,
+            device=self.device,
+            batch_size=size,
+            max_batches=ev.max_batches,
+            autocast=self._autocast,
+        )
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -114,6 +134,7 @@ class Trainer:
             "optimizer": optimizer,
             **({"lr_scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}),
             "iter": self.iter,
+            **self.checkpoints.best_state(),
             "world_size": self.env.world_size,
             "rng": rng,
             # Provenance: what was trained, as plain (weights_only-safe) JSON values.
@@ -135,6 +156,7 @@ class Trainer:
         if self.scheduler is not None and "lr_scheduler" in state:
             self.scheduler.load_state_dict(state["lr_scheduler"])
         self.iter = int(state["iter"])
+        self.checkpoints.restore_best(state)
         rng = state.get("rng", {})
         if "cpu" in rng:
             torch.set_rng_state(rng["cpu"])
@@ -235,9 +257,13 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    def _loss(self, batch: Any) -> torch.Tensor:
+        with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
+            return check_loss(loss_and_outputs(self.plan, self.train_model, batch)[0])
+
     def _step(self, it: int) -> torch.Tensor:
         idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
-        inputs, targets = self.dataset.batch(idx, self.device)
+        batch = self.dataset.batch(idx, self.device)
         # Per-rank MEAN loss; DDP divides the summed gradients by world size (data_parallel_model's
         # loss_scale = 1/devices), so the update equals the one for the global-batch mean loss at
         # any world size.
@@ -250,19 +276,17 @@ class Trainer:
             # The default: one micro-step, so no chunking and no running sum (bench.engine_overhead
             # showed their few tensor ops per step in a small model's step time). Same math.
             with ddp.no_sync() if ddp is not None and local else contextlib.nullcontext():
-                with self._autocast():
-                    loss = self.loss_fn(self.train_model(inputs), targets)
+                loss = self._loss(batch)
                 loss.backward()
             local_loss = loss.detach().float()
         else:
             loss_sum = torch.zeros((), device=self.device)
-            for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+            for i, micro in enumerate(split_batch(batch, n)):
                 # Only the last micro-step allreduces; earlier ones just accumulate into the local grads.
                 # A LocalSGD local step allreduces no gradient at all.
                 sync = ddp.no_sync() if ddp is not None and (i < n - 1 or local) else contextlib.nullcontext()
                 with sync:
-                    with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
-                        loss = self.loss_fn(self.train_model(x), y)
+                    loss = self._loss(micro)
                     # DDP allreduces buckets in reverse order, overlapped with the last backward.
                     (loss / n).backward()
                 loss_sum += loss.detach().float()
@@ -276,10 +300,9 @@ class Trainer:
             shard_ids = {id(p) for p in self.sharded_params}
             replicated = [p for p in self.model.parameters() if id(p) not in shard_ids]
             self.grad_norm = clip_grad_norm_(replicated, self.clip_norm, sharded=self.sharded_params)
-        if not math.isfinite(float(local_loss)):
-            # Stop before the update spreads NaN into the weights; the rank is named in the error event.
-            raise FloatingPointError(f"non-finite loss at step {it + 1} on rank {self.env.rank}")
-        self.optimizer.step()
+        # No update from a non-finite loss or gradient, decided without a host sync where the optimizer
+        # allows it; the job fails at the next check, naming the step and the rank (nonfinite.py).
+        self.guard.step(it, local_loss)
         if self.local_sgd is not None:
             self.local_sgd.after_step(it)  # before zero_grad: torch's averager skips grad-less params
         if self.scheduler is not None:
@@ -322,26 +345,57 @@ class Trainer:
             loss = self._step(self.iter)
             self.iter += 1
             last = self.iter == total
-            save = self.checkpoints.should_save(self.iter, last)  # a function of the step: same on all ranks
+            # Functions of the step: the same on every rank, so the collectives below line up.
+            save = self.checkpoints.should_save(self.iter, last)
+            evaluate = self.evaluator is not None and (self.iter % self._eval_every == 0 or last)
             if metrics.logs(self.iter):
                 lr = float(self.optimizer.param_groups[0]["lr"])
                 metrics.record(self.iter, loss=loss, lr=lr, grad_norm=self.grad_norm)
-            # Flushed at the last step and before a save, so every metrics event precedes the checkpoint
-            # or finished event after it; the decision depends on steps only, so every rank issues the
-            # flush's allreduce at the same point.
-            metrics.maybe_flush(self.iter, force=last or save)
+            # Flushed at the last step and before a save or an evaluation, so every metrics event
+            # precedes the checkpoint or finished event after it; the decision depends on steps only, so
+            # every rank issues the flush's allreduce at the same point.
+            flush = metrics.due(self.iter, force=last or save or evaluate)
+            if flush:
+                metrics.flush(self.iter)
+            if flush or save or evaluate:
+                self.guard.check()  # before any save: no checkpoint follows a skipped, non-finite step
+            best = self._evaluate() if evaluate else False
             # Sharded parameters are gathered to rank 0 for the save: every rank takes part then.
-            if (main or self.sharded) and save:
-                self._save(last)
-            if save:
-                metrics.restart_clock(self.iter)  # keep save time out of step timing
+            if (main or self.sharded) and (save or best):
+                self._save(last, best)
+            if save or evaluate:
+                metrics.restart_clock(self.iter)  # keep save and eval time out of step timing
         # No rank reports success before every rank has finished its last step.
         D.barrier(self.env)
         if main:
             self.events.emit(FinishedEvent(step=self.iter))
 
-    def _save(self, last: bool) -> None:
-        saved = self.checkpoints.save(self.iter, self.state_dict(), last=last)
+    @property
+    def _eval_every(self) -> int:
+        return self.spec.evaluation.every_steps if self.spec.evaluation is not None else 0
+
+    def _evaluate(self) -> bool:
+        """Evaluate (a collective), report `eval/*` at this step; whether it is the best so far."""
+        assert self.evaluator is not None
+        figures = self.evaluator.run(self.model)
+        if self.env.is_main:
+            self.events.emit(MetricsEvent(step=self.iter, values=figures))
+        keep = self.spec.checkpoint.keep_best
+        if keep is None:
+            return False
+        if keep.metric not in figures:
+            raise ValueError(
+                f"checkpoint.keep_best.metric {keep.metric!r} is not among the evaluation's figures "
+                f"({', '.join(sorted(figures))})"
+            )
+        # The figures are the allreduced ones, the same floats on every rank: the same decision everywhere.
+        if not self.checkpoints.is_better(figures[keep.metric]):
+            return False
+        self.checkpoints.best = (self.iter, figures[keep.metric])
+        return True
+
+    def _save(self, last: bool, best: bool = False) -> None:
+        saved = self.checkpoints.save(self.iter, self.state_dict(), last=last, best=best)
         if saved is None:
             return
         self.events.emit(saved.event())

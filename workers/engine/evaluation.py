@@ -1,0 +1,150 @@
+"""Evaluation on the plan's eval dataset: exact sums and counts over an eval set split across ranks.
+
+The eval set is cut, in order, into batches of a fixed size that does not depend on the world size;
+batch i is evaluated by rank i % W. Each batch is computed exactly as it would be at any other world
+size (same samples, same weights), every rank adds `loss * samples` and each metric's (sum, count) in
+float64, and one allreduce adds the ranks' totals. So the figures are the same at 1, 2 or 3 ranks,
+however unevenly the batches fall, up to the order of that last float64 sum.
+
+Plans with sharded parameters run collectives inside their forward and loss (a model-parallel
+classifier): there every rank takes part in every round, a rank without a batch left evaluating an
+empty one that adds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from api_schemas import EVAL_METRIC_PATTERN
+from dptrain.plan import Plan
+from workers.engine import distributed as D
+from workers.engine.conventions import batch_size, check_loss, loss_and_outputs
+
+LOSS = "eval/loss"
+
+
+class Evaluator:
+    """Runs one evaluation of a plan's eval dataset on every rank; returns the same figures on each."""
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        dataset: Any,
+        env: D.DistEnv,
+        device: torch.device,
+        batch_size: int,
+        max_batches: int | None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        self.plan, self.dataset, self.env, self.device, self.autocast = plan, dataset, env, device, autocast
+        self.batch_size = batch_size
+        size = len(dataset)
+        if size < 1:
+            raise ValueError("the plan's eval_dataset is empty")
+        batches = math.ceil(size / batch_size)
+        self.batches = min(batches, max_batches) if max_batches is not None else batches
+        self.size = size
+        # Collectives inside the model: every rank steps through every round (see the module docstring).
+        self.lockstep = bool(plan.sharded)
+
+    def _indices(self, i: int) -> torch.Tensor:
+        start = i * self.batch_size
+        return torch.arange(start, min(start + self.batch_size, self.size), dtype=torch.long)
+
+    def my_batches(self) -> list[int]:
+        """The eval batches this rank computes (round robin), padded with -1 (empty) in lockstep mode."""
+        mine = list(range(self.env.rank, self.batches, self.env.world_size))
+        if self.lockstep:
+            rounds = math.ceil(self.batches / self.env.world_size)
+            mine += [-1] * (rounds - len(mine))
+        return mine
+
+    def run(self, model: nn.Module) -> dict[str, float]:
+        """Evaluate `model` (the bare module) in eval mode without grad; back to train mode after."""
+        was_training = model.training
+        model.eval()  # BatchNorm on its running statistics, dropout off
+        try:
+            with torch.no_grad():
+                totals = self._local_totals(model)
+        finally:
+            model.train(was_training)
+        return self._reduce(totals)
+
+    def _local_totals(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        # name -> float64 [sum, count] on the device; added to without a host sync per batch.
+        totals: dict[str, torch.Tensor] = {LOSS: torch.zeros(2, dtype=torch.float64, device=self.device)}
+        for i in self.my_batches():
+            indices = self._indices(i) if i >= 0 else torch.empty(0, dtype=torch.long)
+            batch = self.dataset.batch(indices, self.device)
+            n = len(indices)
+            with self.autocast():
+                loss, outputs = loss_and_outputs(self.plan, model, batch)
+                figures = self.plan.eval_metrics(outputs, batch) if self.plan.eval_metrics else {}
+            if n == 0:
+                continue  # an empty lockstep batch: it ran for the collectives, it adds nothing
+            if i >= 0 and batch_size(batch) != n:
+                raise ValueError(f"the eval dataset gave {batch_size(batch)} samples for {n} indices")
+            totals[LOSS] += torch.stack([check_loss(loss).detach().double() * n, _f64(n, self.device)])
+            for name, value in figures.items():
+                key = metric_name(name)
+                pair = torch.stack([_f64(v, self.device) for v in _sum_count(name, value)])
+                totals[key] = totals[key] + pair if key in totals else pair
+        return totals
+
+    def _reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        names = sorted(totals)
+        if D.active(self.env):
+            # Rank 0 always has batch 0, so it knows every metric name the plan reports; a rank without
+            # batches knows none. Its list orders the one allreduce; a rank that saw a name rank 0 did not
+            # counts itself in slot 0, so every rank raises together instead of hanging in a collective.
+            shared: list[Any] = [names]
+            dist.broadcast_object_list(shared, src=0)
+            names = shared[0]
+        unknown = [n for n in totals if n not in names]
+        zero = torch.zeros(2, dtype=torch.float64, device=self.device)
+        vec = torch.cat(
+            [torch.tensor([float(bool(unknown))], dtype=torch.float64, device=self.device)]
+            + [totals.get(n, zero) for n in names]
+        )
+        if D.active(self.env):
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
+        values = vec.tolist()
+        if values[0]:
+            raise ValueError(
+                f"eval_metrics reported names rank 0 did not ({', '.join(unknown) or 'on another rank'}; "
+                f"rank 0: {', '.join(names)}): a plan must report the same names for every batch"
+            )
+        pairs = values[1:]
+        return {n: pairs[2 * k] / pairs[2 * k + 1] for k, n in enumerate(names) if pairs[2 * k + 1] > 0}
+
+
+def metric_name(name: str) -> str:
+    """`eval/<name>` for a name of `eval_metrics`; ValueError for names the API would not show."""
+    full = f"eval/{name}"
+    if name == "loss" or re.fullmatch(EVAL_METRIC_PATTERN[1:-1], full) is None:
+        raise ValueError(
+            f"eval_metrics name {name!r}: names are a letter then letters, digits, '_', '.' or '-' "
+            "(at most 64), and 'loss' is the engine's own"
+        )
+    return full
+
+
+def _sum_count(name: str, value: Any) -> tuple[Any, Any]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"eval_metrics[{name!r}] must be a (sum, count) pair, got {type(value).__name__}")
+    return value[0], value[1]
+
+
+def _f64(value: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
