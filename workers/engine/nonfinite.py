@@ -29,7 +29,10 @@ class NonFiniteGuard:
     def __init__(self, *, optimizer: torch.optim.Optimizer, env: D.DistEnv, device: torch.device) -> None:
         self.optimizer, self.env, self.device = optimizer, env, device
         # torch's contract with GradScaler: such an optimizer reads `found_inf` and skips on the device.
-        self.on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # Only worth it on CUDA: on CPU reading the flag costs nothing, the host path is simpler.
+        self.on_device = device.type == "cuda" and bool(
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+        )
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
         # First bad step (1-based, 0 = none) where the local loss / the gradient was not finite.
         self.first_bad = torch.zeros(2, dtype=torch.int64, device=device)
@@ -51,7 +54,7 @@ class NonFiniteGuard:
             bad = bad | ~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))).max())
         # Fused SGD fills a fresh momentum buffer with empty_like() and would keep it unfilled if its
         # first step were skipped on the device: with no optimizer state yet, decide on the host.
-        if self.device.type == "cuda" and self.on_device and self.optimizer.state:
+        if self.on_device and self.optimizer.state:
             step_no = torch.tensor(it + 1, dtype=torch.int64, device=self.device)
             marks = torch.stack([loss_bad, bad]).to(torch.int64) * step_no
             self.first_bad.copy_(torch.where(self.first_bad == 0, marks, self.first_bad))
@@ -91,8 +94,7 @@ class NonFiniteGuard:
         if culprits:
             ranks = ("rank " if len(culprits) == 1 else "ranks ") + ", ".join(map(str, culprits))
             raise FloatingPointError(
-                f"non-finite loss at step {step} on {ranks}: the update was skipped, the weights are "
-                "finite"
+                f"non-finite loss at step {step} on {ranks}: the update was skipped, the weights are finite"
             )
         raise FloatingPointError(
             f"non-finite gradient at step {step} (the loss was finite on every rank): the update was skipped"
