@@ -18,6 +18,7 @@ class MlpParams(Strict):
     num_layers: int = Field(2, ge=1, le=64)
     num_classes: int = Field(10, ge=2, le=100_000)
     dataset_size: int = Field(4096, ge=1, le=100_000_000)
+    eval_size: int = Field(256, ge=1, le=100_000_000, description="Samples in the held-out eval split.")
 
 
 class CnnBnParams(Strict):
@@ -27,6 +28,7 @@ class CnnBnParams(Strict):
     channels: int = Field(3, ge=1, le=64)
     num_classes: int = Field(10, ge=2, le=100_000)
     dataset_size: int = Field(1024, ge=1, le=100_000_000)
+    eval_size: int = Field(256, ge=1, le=100_000_000, description="Samples in the held-out eval split.")
 
 
 class LstmLmParams(Strict):
@@ -38,6 +40,7 @@ class LstmLmParams(Strict):
     num_layers: int = Field(1, ge=1, le=64)
     seq_len: int = Field(16, ge=1, le=65_536)
     dataset_size: int = Field(1024, ge=1, le=100_000_000)
+    eval_size: int = Field(256, ge=1, le=100_000_000, description="Samples in the held-out eval split.")
 
 
 class PartialFcParams(Strict):
@@ -54,6 +57,7 @@ class PartialFcParams(Strict):
         description="Share of classes given logits per step: the batch's positives, then random negatives.",
     )
     dataset_size: int = Field(2048, ge=1, le=100_000_000)
+    eval_size: int = Field(256, ge=1, le=100_000_000, description="Samples in the held-out eval split.")
 
 
 class SparseEmbeddingParams(Strict):
@@ -65,6 +69,7 @@ class SparseEmbeddingParams(Strict):
     hidden_size: int = Field(32, ge=1, le=65_536)
     num_classes: int = Field(4, ge=2, le=100_000)
     dataset_size: int = Field(1024, ge=1, le=100_000_000)
+    eval_size: int = Field(256, ge=1, le=100_000_000, description="Samples in the held-out eval split.")
 
 
 class GptParams(Strict):

@@ -10,6 +10,7 @@ from torch import nn
 
 from api_schemas.recipes import CnnBnParams
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from mlp's and the sampler's streams (see data.py).
@@ -32,21 +33,44 @@ def build_model(cfg: CnnBnParams) -> nn.Sequential:
     )
 
 
-def build_dataset(cfg: CnnBnParams, seed: int) -> TensorDataset:
-    """Gaussian images labelled by argmax of a random linear teacher; a function of the seed alone."""
+def build_datasets(cfg: CnnBnParams, seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """(train, eval): Gaussian images labelled by argmax of one random linear teacher; a function of the seed.
+
+    The eval images come from a generator of their own, so the training data does not depend on `eval_size`.
+    """
     # A private generator keeps the data independent of the global RNG (and so of model-init order).
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
-    shape = (cfg.dataset_size, cfg.channels, cfg.image_size, cfg.image_size)
+    shape = (cfg.channels, cfg.image_size, cfg.image_size)
     # A non-zero mean and scale per channel give the BatchNorm running stats something to track.
     offset = torch.randn(1, cfg.channels, 1, 1, generator=g) * 2
     scale = torch.rand(1, cfg.channels, 1, 1, generator=g) + 0.5
-    images = torch.randn(shape, generator=g, dtype=torch.float32)
+    images = torch.randn((cfg.dataset_size, *shape), generator=g, dtype=torch.float32)
     teacher = torch.randn(cfg.channels * cfg.image_size**2, cfg.num_classes, generator=g, dtype=torch.float32)
-    targets = (images.flatten(1) @ teacher).argmax(dim=1)
-    return TensorDataset(inputs=images * scale + offset, targets=targets)
+    held_out = torch.randn(
+        (cfg.eval_size, *shape), generator=eval_generator(seed, _DATA_STREAM), dtype=torch.float32
+    )
+
+    def labelled(raw: torch.Tensor) -> TensorDataset:
+        # The teacher labels the images before the channel offset and scale.
+        return TensorDataset(inputs=raw * scale + offset, targets=(raw.flatten(1) @ teacher).argmax(dim=1))
+
+    return labelled(images), labelled(held_out)
+
+
+def build_dataset(cfg: CnnBnParams, seed: int) -> TensorDataset:
+    """The training split."""
+    return build_datasets(cfg, seed)[0]
 
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
     cfg = CnnBnParams.model_validate(params)
-    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)
+    train, held_out = build_datasets(cfg, seed)
+    # Eval runs the model in eval mode: the BatchNorms use their running statistics.
+    return Plan(
+        model=build_model(cfg),
+        dataset=train,
+        loss_fn=nn.functional.cross_entropy,
+        eval_dataset=held_out,
+        eval_metrics=argmax_accuracy,
+    )

@@ -14,6 +14,7 @@ from torch import nn
 
 from api_schemas.recipes import LstmLmParams
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from mlp's (7) and from the sampler's streams (data.py).
@@ -38,22 +39,39 @@ def build_model(cfg: LstmLmParams) -> LstmLm:
     return LstmLm(cfg)
 
 
-def build_dataset(cfg: LstmLmParams, seed: int) -> TensorDataset:
-    """Sequences of a fixed random (peaked) Markov chain; a function of the seed alone.
+def _walks(transition: torch.Tensor, n: int, length: int, g: torch.Generator) -> torch.Tensor:
+    """`n` walks of `length` tokens on the chain, each from a uniform first token."""
+    tokens = torch.empty(n, length, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, transition.shape[0], (n,), generator=g)
+    for pos in range(1, length):
+        tokens[:, pos] = torch.multinomial(transition[tokens[:, pos - 1]], 1, generator=g).squeeze(1)
+    return tokens
+
+
+def build_datasets(cfg: LstmLmParams, seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """(train, eval): sequences of one fixed random (peaked) Markov chain; a function of the seed alone.
 
     Each sample is `seq_len + 1` tokens; the input is the first `seq_len`, the target the last
-    `seq_len` (the next token at every position).
+    `seq_len` (the next token at every position). The eval walks come from a generator of their own,
+    so the training data does not depend on `eval_size`.
     """
     # A private generator keeps the data independent of the global RNG (and so of model-init order).
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
-    n, t, v = cfg.dataset_size, cfg.seq_len, cfg.vocab_size
+    v = cfg.vocab_size
     # Peaked transition table (scaled logits) so the next token is learnably predictable.
     transition = torch.softmax(3.0 * torch.randn(v, v, generator=g, dtype=torch.float64), dim=1)
-    tokens = torch.empty(n, t + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, v, (n,), generator=g)
-    for pos in range(1, t + 1):
-        tokens[:, pos] = torch.multinomial(transition[tokens[:, pos - 1]], 1, generator=g).squeeze(1)
-    return TensorDataset(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous())
+    train = _walks(transition, cfg.dataset_size, cfg.seq_len + 1, g)
+    held_out = _walks(transition, cfg.eval_size, cfg.seq_len + 1, eval_generator(seed, _DATA_STREAM))
+
+    def split(tokens: torch.Tensor) -> TensorDataset:
+        return TensorDataset(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous())
+
+    return split(train), split(held_out)
+
+
+def build_dataset(cfg: LstmLmParams, seed: int) -> TensorDataset:
+    """The training split."""
+    return build_datasets(cfg, seed)[0]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -74,6 +92,14 @@ def is_lstm(module: nn.Module) -> bool:
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
     cfg = LstmLmParams.model_validate(params)
+    train, held_out = build_datasets(cfg, seed)
+    # eval/loss: every sample has seq_len tokens, so the engine's per-sample weighting of lm_loss gives
+    # the mean over all eval tokens; eval/accuracy counts every token too (next token predicted right).
     return Plan(
-        model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=lm_loss, checkpoint_modules=is_lstm
+        model=build_model(cfg),
+        dataset=train,
+        loss_fn=lm_loss,
+        eval_dataset=held_out,
+        eval_metrics=argmax_accuracy,
+        checkpoint_modules=is_lstm,
     )

@@ -10,6 +10,7 @@ from torch import nn
 
 from api_schemas.recipes import MlpParams
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the sampler's streams (see data.py).
@@ -27,17 +28,37 @@ def build_model(cfg: MlpParams) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def build_dataset(cfg: MlpParams, seed: int) -> TensorDataset:
-    """Gaussian inputs labelled by argmax of a random linear teacher; a function of the seed alone."""
+def build_datasets(cfg: MlpParams, seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """(train, eval): Gaussian inputs labelled by argmax of one random linear teacher; a function of the seed.
+
+    The eval inputs come from a generator of their own, so the training data does not depend on `eval_size`.
+    """
     # A private generator keeps the data independent of the global RNG (and so of model-init order).
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
     inputs = torch.randn(cfg.dataset_size, cfg.input_size, generator=g, dtype=torch.float32)
     teacher = torch.randn(cfg.input_size, cfg.num_classes, generator=g, dtype=torch.float32)
-    targets = (inputs @ teacher).argmax(dim=1)
-    return TensorDataset(inputs=inputs, targets=targets)
+    held_out = torch.randn(
+        cfg.eval_size, cfg.input_size, generator=eval_generator(seed, _DATA_STREAM), dtype=torch.float32
+    )
+    return (
+        TensorDataset(inputs=inputs, targets=(inputs @ teacher).argmax(dim=1)),
+        TensorDataset(inputs=held_out, targets=(held_out @ teacher).argmax(dim=1)),
+    )
+
+
+def build_dataset(cfg: MlpParams, seed: int) -> TensorDataset:
+    """The training split."""
+    return build_datasets(cfg, seed)[0]
 
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
     cfg = MlpParams.model_validate(params)
-    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)
+    train, held_out = build_datasets(cfg, seed)
+    return Plan(
+        model=build_model(cfg),
+        dataset=train,
+        loss_fn=nn.functional.cross_entropy,
+        eval_dataset=held_out,
+        eval_metrics=argmax_accuracy,
+    )

@@ -6,6 +6,10 @@ Each step every rank all-gathers the features of the whole global batch, compute
 own classes, and the softmax cross-entropy is assembled from three all-reduces: the max logit
 (stability), the exp-sum (the partition function) and the target logit. With `sample_rate` < 1 only
 the positive classes of the batch plus random negatives, `sample_rate * C` in all, get logits.
+
+Evaluation (model in eval mode) scores every class and lets the ranks' batches differ in size, down to
+none at all: the engine's last eval round gives some ranks a shorter batch or an empty one, and every
+rank must still join the collectives.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from api_schemas.recipes import PartialFcParams
 from workers.engine import collectives
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.plan import Plan
+from workers.engine.recipes.eval_split import eval_generator
+from workers.engine.recipes.plan import EvalFigures, Plan
 from workers.engine.sharding import rank_and_world, shard_range
 
 # Generator streams, distinct from the other recipes' and the sampler's (see data.py).
@@ -31,6 +36,29 @@ _WEIGHT_STREAM = 16
 _SAMPLE_STREAM = 1 << 40
 
 SHARDED_WEIGHT = "classifier.weight"
+
+
+def _softmax_terms(
+    logits: torch.Tensor, target: torch.Tensor, world: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row over every rank's classes: exp(logit - max) of ours, the exp-sum, and the target's logit - max.
+
+    logits: (B, n) for this rank's n (sampled) classes; target: (B,) column in this rank's logits or -1.
+    """
+    batch = logits.shape[0]
+    neg_inf = torch.full((batch,), -math.inf, dtype=logits.dtype, device=logits.device)
+    row_max = logits.max(dim=1).values if logits.shape[1] else neg_inf
+    if world > 1:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX)
+    exp = torch.exp(logits - row_max[:, None])
+    # [exp-sum, target logit] in one all-reduce; the target lives on exactly one rank.
+    hit = target >= 0
+    both = torch.zeros((2, batch), dtype=logits.dtype, device=logits.device)
+    both[0] = exp.sum(dim=1)
+    both[1, hit] = logits[hit, target[hit]] - row_max[hit]
+    if world > 1:
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    return exp, both[0], both[1]
 
 
 class _DistSoftmaxCrossEntropy(torch.autograd.Function):
@@ -42,21 +70,7 @@ class _DistSoftmaxCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor, world: int) -> torch.Tensor:
-        # logits: (B, n) for this rank's n (sampled) classes; target: (B,) column in this rank's logits or -1.
-        batch = logits.shape[0]
-        neg_inf = torch.full((batch,), -math.inf, dtype=logits.dtype, device=logits.device)
-        row_max = logits.max(dim=1).values if logits.shape[1] else neg_inf
-        if world > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX)
-        exp = torch.exp(logits - row_max[:, None])
-        # [exp-sum, target logit] in one all-reduce; the target lives on exactly one rank.
-        hit = target >= 0
-        both = torch.zeros((2, batch), dtype=logits.dtype, device=logits.device)
-        both[0] = exp.sum(dim=1)
-        both[1, hit] = logits[hit, target[hit]] - row_max[hit]
-        if world > 1:
-            dist.all_reduce(both, op=dist.ReduceOp.SUM)
-        exp_sum, target_logit = both[0], both[1]
+        exp, exp_sum, target_logit = _softmax_terms(logits, target, world)
         ctx.save_for_backward(exp / exp_sum[:, None], target)
         return (torch.log(exp_sum) - target_logit).mean()
 
@@ -89,7 +103,7 @@ class ShardedClassifier(nn.Module):
 
     def _sampled_classes(self, labels: torch.Tensor) -> torch.Tensor:
         """Global class ids whose logits are computed: all of them, or the positives plus random negatives."""
-        if self.sample_rate >= 1.0 or not self.training:
+        if self.sample_rate >= 1.0:
             return torch.arange(self.num_classes, device=labels.device)
         # One mask over all C classes from (seed, loss evaluation): every rank, at any world size, samples
         # the same classes, so sampling does not change the math between world sizes.
@@ -105,7 +119,12 @@ class ShardedClassifier(nn.Module):
         return mask.nonzero().squeeze(1).to(labels.device)
 
     def loss(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over the whole global batch (the same value on every rank)."""
+        """Training: mean cross-entropy over the whole global batch (the same value on every rank).
+
+        In eval mode: the mean over this rank's own samples (see `_eval_loss`).
+        """
+        if not self.training:
+            return self._eval_loss(features, targets)
         world = self.world_size
         if world > 1:
             # The all-gather's backward sums every rank's contribution to our features' gradient, which is
@@ -131,6 +150,75 @@ class ShardedClassifier(nn.Module):
         out: torch.Tensor = _DistSoftmaxCrossEntropy.apply(logits, target, world)
         return out
 
+    # ---- evaluation: every class, batches of any size per rank, no backward ---------------------------
+
+    def _gather_round(
+        self, features: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, slice]:
+        """Every rank's eval features and targets, in rank order, and where this rank's lie among them.
+
+        Not `collectives.all_gather`, which needs one shape on every rank: here the sizes are exchanged
+        first and each rank's part padded to the largest. One host sync per eval batch is fine for eval.
+        """
+        n = targets.shape[0]
+        if self.world_size == 1:
+            return features, targets, slice(0, n)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=targets.device)
+        sizes[self.rank] = n
+        dist.all_reduce(sizes)
+        counts = [int(c) for c in sizes.tolist()]
+        start = sum(counts[: self.rank])
+
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            padded = x.new_zeros((max(counts), *x.shape[1:]))
+            padded[:n] = x
+            parts = [torch.empty_like(padded) for _ in counts]
+            dist.all_gather(parts, padded)
+            return torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)])
+
+        return gather(features.contiguous()), gather(targets.contiguous()), slice(start, start + n)
+
+    def _eval_logits(
+        self, features: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, slice]:
+        """This rank's classes' logits for every rank's eval samples, their targets, and our samples' rows."""
+        features, targets, mine = self._gather_round(features, targets)
+        logits = features @ self.weight.t()
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)), targets, mine
+
+    def _eval_loss(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over all classes of this rank's own eval samples; 0 for an empty batch.
+
+        Unlike training's global-batch mean, the mean over the batch this rank was given: the engine
+        adds `loss * samples` per rank, and in eval the ranks' batch sizes differ.
+        """
+        logits, all_targets, mine = self._eval_logits(features, targets)
+        ours = (all_targets >= self.start) & (all_targets < self.stop)
+        column = torch.where(ours, all_targets - self.start, torch.full_like(all_targets, -1))
+        _, exp_sum, target_logit = _softmax_terms(logits, column, self.world_size)
+        nll = (torch.log(exp_sum) - target_logit)[mine]
+        return nll.sum() / max(nll.numel(), 1)
+
+    def accuracy(self, features: torch.Tensor, batch: Any) -> EvalFigures:
+        """{"accuracy": (correct, samples)} of this rank's eval samples; argmax over all ranks' classes."""
+        _, targets = batch
+        logits, _, mine = self._eval_logits(features, targets)
+        if logits.shape[1]:
+            best, column = logits.max(dim=1)
+        else:  # a rank with no classes (more ranks than classes) never holds the max
+            best = torch.full((logits.shape[0],), -math.inf, dtype=logits.dtype, device=logits.device)
+            column = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        predicted = column + self.start
+        if self.world_size > 1:
+            # As torch.argmax over the whole row, the first of equal maxima wins: each rank offers its
+            # first max (max(dim) picks the first too), and the lowest class id among the ranks that
+            # hold the global max is the answer (shards are in class order).
+            top = best.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            predicted = torch.where(best == top, predicted, torch.full_like(predicted, self.num_classes))
+            dist.all_reduce(predicted, op=dist.ReduceOp.MIN)
+        return {"accuracy": ((predicted[mine] == targets).sum(), targets.numel())}
+
 
 class PartialFcModel(nn.Module):
     """A data-parallel MLP backbone producing embeddings, plus the sharded classifier its loss uses."""
@@ -150,12 +238,24 @@ class PartialFcModel(nn.Module):
         return out
 
 
-def build_dataset(cfg: PartialFcParams, seed: int) -> TensorDataset:
-    """Gaussian inputs labelled by argmax of a random linear teacher over all classes; seed alone decides."""
+def build_datasets(cfg: PartialFcParams, seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """(train, eval): Gaussian inputs labelled by argmax of one random teacher over all classes.
+
+    The eval inputs come from a generator of their own, so the training data does not depend on `eval_size`.
+    """
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
     inputs = torch.randn(cfg.dataset_size, cfg.input_size, generator=g)
     teacher = torch.randn(cfg.input_size, cfg.num_classes, generator=g)
-    return TensorDataset(inputs=inputs, targets=(inputs @ teacher).argmax(dim=1))
+    held_out = torch.randn(cfg.eval_size, cfg.input_size, generator=eval_generator(seed, _DATA_STREAM))
+    return (
+        TensorDataset(inputs=inputs, targets=(inputs @ teacher).argmax(dim=1)),
+        TensorDataset(inputs=held_out, targets=(held_out @ teacher).argmax(dim=1)),
+    )
+
+
+def build_dataset(cfg: PartialFcParams, seed: int) -> TensorDataset:
+    """The training split."""
+    return build_datasets(cfg, seed)[0]
 
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
@@ -163,9 +263,12 @@ def build(params: Mapping[str, Any], seed: int) -> Plan:
     cfg = PartialFcParams.model_validate(params)
     rank, world = rank_and_world()
     model = PartialFcModel(cfg, seed, rank, world)
+    train, held_out = build_datasets(cfg, seed)
     return Plan(
         model=model,
-        dataset=build_dataset(cfg, seed),
+        dataset=train,
         loss_fn=model.classifier.loss,
+        eval_dataset=held_out,
+        eval_metrics=model.classifier.accuracy,
         sharded=(SHARDED_WEIGHT,),
     )

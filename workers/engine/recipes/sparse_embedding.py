@@ -17,6 +17,7 @@ from torch import nn
 
 from api_schemas.recipes import SparseEmbeddingParams
 from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the other recipes' and the sampler's (data.py).
@@ -48,24 +49,48 @@ def build_model(cfg: SparseEmbeddingParams) -> SparseEmbeddingModel:
     return SparseEmbeddingModel(cfg)
 
 
-def build_dataset(cfg: SparseEmbeddingParams, seed: int) -> TensorDataset:
-    """Bags of Zipf-distributed ids labelled by a random teacher; a function of the seed alone."""
+def build_datasets(cfg: SparseEmbeddingParams, seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """(train, eval): bags of Zipf-distributed ids labelled by one random teacher; a function of the seed.
+
+    The eval bags come from a generator of their own, so the training data does not depend on `eval_size`.
+    """
     # A private generator keeps the data independent of the global RNG (and so of model-init order).
     g = torch.Generator().manual_seed(mix_seed(seed, _DATA_STREAM))
-    n, v = cfg.dataset_size, cfg.num_embeddings
+    v = cfg.num_embeddings
     popularity = 1.0 / torch.arange(1, v + 1, dtype=torch.float64) ** _ZIPF_EXPONENT
     # Popular ids are scattered over the table, not the first rows, so rows touched are not a prefix.
     row_of_rank = torch.randperm(v, generator=g)
-    ranks = torch.multinomial(popularity, n * cfg.bag_size, replacement=True, generator=g)
-    ids = row_of_rank[ranks].view(n, cfg.bag_size)
+
+    def bags(n: int, generator: torch.Generator) -> torch.Tensor:
+        ranks = torch.multinomial(popularity, n * cfg.bag_size, replacement=True, generator=generator)
+        return row_of_rank[ranks].view(n, cfg.bag_size)
+
+    ids = bags(cfg.dataset_size, g)
     teacher_table = torch.randn(v, cfg.embed_size, generator=g, dtype=torch.float64)
     teacher_head = torch.randn(cfg.embed_size, cfg.num_classes, generator=g, dtype=torch.float64)
-    targets = (teacher_table[ids].mean(dim=1) @ teacher_head).argmax(dim=1)
-    return TensorDataset(inputs=ids, targets=targets)
+    held_out = bags(cfg.eval_size, eval_generator(seed, _DATA_STREAM))
+
+    def labelled(bag_ids: torch.Tensor) -> TensorDataset:
+        targets = (teacher_table[bag_ids].mean(dim=1) @ teacher_head).argmax(dim=1)
+        return TensorDataset(inputs=bag_ids, targets=targets)
+
+    return labelled(ids), labelled(held_out)
+
+
+def build_dataset(cfg: SparseEmbeddingParams, seed: int) -> TensorDataset:
+    """The training split."""
+    return build_datasets(cfg, seed)[0]
 
 
 def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
     cfg = SparseEmbeddingParams.model_validate(params)
+    train, held_out = build_datasets(cfg, seed)
     # No optimizer factory: the engine's default SGD already gives the sparse table plain SGD (sparse.py).
-    return Plan(model=build_model(cfg), dataset=build_dataset(cfg, seed), loss_fn=nn.functional.cross_entropy)
+    return Plan(
+        model=build_model(cfg),
+        dataset=train,
+        loss_fn=nn.functional.cross_entropy,
+        eval_dataset=held_out,
+        eval_metrics=argmax_accuracy,
+    )

@@ -1,0 +1,29 @@
+"""What the built-in recipes share for evaluation: the eval split's generator and argmax accuracy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workers.engine.data import mix_seed
+from workers.engine.recipes.plan import EvalFigures
+
+# Added to a recipe's data stream id to seed its eval split: a generator of its own, so drawing the
+# eval samples never moves the training stream (a seed gives the same training data whatever
+# `eval_size` is). Far from every other stream id: the recipes' (< 100), the sampler's (2**32 + epoch)
+# and partial_fc's negative sampler's (2**40 + loss evaluation).
+EVAL_STREAM_OFFSET = 1 << 48
+
+
+def eval_generator(seed: int, data_stream: int) -> torch.Generator:
+    """The generator of a recipe's held-out samples, independent of its training stream."""
+    return torch.Generator().manual_seed(mix_seed(seed, EVAL_STREAM_OFFSET + data_stream))
+
+
+def argmax_accuracy(outputs: torch.Tensor, batch: Any) -> EvalFigures:
+    """{"accuracy": (correct, count)}: argmax of the last dim against every target (a sample or a token)."""
+    _, targets = batch
+    # The sum stays on the device: the engine adds it up without a host sync per batch.
+    correct = (outputs.argmax(dim=-1) == targets).sum()
+    return {"accuracy": (correct, targets.numel())}
