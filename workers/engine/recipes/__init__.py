@@ -11,7 +11,7 @@ from typing import Any
 
 from api_schemas import JobSpec, entrypoint_allowed
 from workers.engine.launch import CODE_DIR_ENV
-from workers.engine.recipes import cnn_bn, lstm_lm, mlp, partial_fc, sparse_embedding
+from workers.engine.recipes import cnn_bn, gpt, lstm_lm, mlp, partial_fc, sparse_embedding
 from workers.engine.recipes.plan import Plan
 
 RecipeBuilder = Callable[[Mapping[str, Any], int], Plan]
@@ -22,7 +22,12 @@ RECIPES: dict[str, RecipeBuilder] = {
     "cnn_bn": cnn_bn.build,
     "partial_fc": partial_fc.build,
     "sparse_embedding": sparse_embedding.build,
+    "gpt": gpt.build,
 }
+
+# Spec hyperparameters a recipe reads besides its extras: gpt's AdamW takes the spec's lr and weight
+# decay, the knobs the default SGD reads, rather than a second lr among its extras.
+SPEC_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {"gpt": gpt.SPEC_HYPERPARAMETERS}
 
 __all__ = ["RECIPES", "Plan", "RecipeBuilder", "builder_of", "load_entrypoint", "plan_params"]
 
@@ -76,7 +81,10 @@ def builder_of(spec: JobSpec) -> RecipeBuilder:
 
 
 def plan_params(spec: JobSpec) -> dict[str, Any]:
-    """What the builder gets: a recipe its extras (defaults filled in), user code every hyperparameter."""
+    """What the builder gets: a recipe its extras and SPEC_HYPERPARAMETERS, user code all hyperparameters."""
     params = spec.recipe_params()
-    # User code may want lr or steps for its own optimizer or schedule, so it gets them all.
-    return params.model_dump() if params is not None else spec.hyperparameters.model_dump()
+    if params is None:
+        # User code may want lr or steps for its own optimizer or schedule, so it gets them all.
+        return spec.hyperparameters.model_dump()
+    shared = SPEC_HYPERPARAMETERS.get(spec.recipe or "", ())
+    return {**params.model_dump(), **{k: getattr(spec.hyperparameters, k) for k in shared}}
