@@ -307,7 +307,7 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
         for it in range(2):  # the second backward follows zero_grad(set_to_none=True)
             buckets.clear()
             x, y = trainer.dataset.batch(trainer.sampler.local_indices(it, rank, 2), trainer.device)
-            trainer.loss_fn(trainer.train_model(x), y).backward()
+            trainer._loss((x, y)).backward()
             in_bucket = {
                 n: p.grad is not None and p.grad.untyped_storage().data_ptr() == buckets.get(id(p))
                 for n, p in trainer.model.named_parameters()

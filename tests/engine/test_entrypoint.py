@@ -74,3 +74,24 @@ def test_only_a_public_function_defined_in_the_named_module_is_loaded(name: str)
     with pytest.raises((ValueError, ModuleNotFoundError)):
         load_entrypoint(name, allowed="examples")
     assert callable(load_entrypoint("examples.custom_plan:build", allowed="examples"))
+
+
+@pytest.mark.e2e  # torchrun
+def test_the_own_loss_example_trains_evaluates_and_keeps_its_best(engine_runner: Any, make_spec: Any) -> None:
+    spec = make_spec(
+        hyperparameters={"lr": 3e-3, "weight_decay": 0.1, "steps": 30, "global_batch_size": 16},
+        evaluation={"every_steps": 10, "max_batches": 4},
+        checkpoint={"every_steps": 10, "keep_last": 1, "keep_best": {"metric": "eval/loss", "mode": "min"}},
+    )
+    spec["recipe"] = None
+    spec["entrypoint"] = "examples.own_loss:build"
+    run = engine_runner(spec, 2, extra_env=ALLOWED)
+    assert run.returncode == 0, run.describe()
+    evals = {
+        e["step"]: e["values"] for e in run.events(0) if e["type"] == "metrics" and "eval/loss" in e["values"]
+    }
+    assert sorted(evals) == [10, 20, 30]
+    assert evals[30]["eval/loss"] < evals[10]["eval/loss"], evals
+    assert set(evals[30]) == {"eval/loss", "eval/next_token_accuracy"}
+    groups = run.checkpoint(30)["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0], "configure_optimizers' decay/no-decay groups"
