@@ -48,6 +48,9 @@ NOT_RETRIED = frozenset(
         "CodeMissing",
         "CommandNotFound",
         "CommandNotExecutable",
+        # engine.compile's backend cannot run on the worker (no C++ compiler, no Triton): a setup
+        # fault that a restart would only meet again (workers/engine/compile.py).
+        "CompileUnavailable",
     }
 )
 

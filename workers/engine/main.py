@@ -91,6 +91,16 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         # Not fatal: the math is world-size independent, and elastic resume will rely on exactly that.
         print(f"warning: spec asks for {spec.world_size} ranks, running {env.world_size}")
     device = D.setup_device(env, spec.resources.device)
+    if spec.engine.compile:
+        from workers.engine.compile import check_compile
+
+        # Before the rendezvous too: a worker without the backend fails at once, naming what is missing.
+        check_compile(
+            backend=spec.engine.compile_backend,
+            bucket_cap_mb=spec.engine.bucket_cap_mb,
+            device=device,
+            world_size=env.world_size,
+        )
     backend = D.init(env, spec.resources.device, spec.engine.collective_timeout_seconds)
     try:
         print(

@@ -15,6 +15,7 @@ from workers.engine import distributed as D
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
+from workers.engine.compile import compile_model
 from workers.engine.conventions import check_loss, loss_and_outputs, make_optimizer, split_batch
 from workers.engine.data import GlobalBatchSampler, batch_source
 from workers.engine.evaluation import Evaluator
@@ -185,6 +186,7 @@ class Trainer:
             # At world 1 DDP has nothing to average or broadcast, yet its hooks and buckets cost time
             # on every step of a small model.
             self._checkpoint_activations()
+            self._compile()
             return
         e = self.spec.engine
         # Sharded rows are clipped by the global norm (clipping.py); other rank-own params cannot be.
@@ -231,6 +233,14 @@ class Trainer:
                 warmup_steps=e.local_sgd_warmup_steps,
                 skip=self.non_data_parallel,
             )
+        self._compile()
+
+    def _compile(self) -> None:
+        """engine.compile: the model's forward, in place, so DDP calls it compiled and it saves unprefixed."""
+        if self.spec.engine.compile:
+            # Last: after SyncBN and checkpointing replaced modules or forwards, and inside DDP, whose
+            # bucket size DDPOptimizer reads at the first forward (compile.py).
+            compile_model(self.model, self.spec.engine.compile_backend)
 
     def _checkpoint_activations(self) -> None:
         """engine.activation_checkpointing: recompute the chosen parts' activations in backward."""
