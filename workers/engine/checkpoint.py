@@ -8,9 +8,7 @@ that the Celery worker process, which lists and matches checkpoint files between
 
 from __future__ import annotations
 
-import hashlib
 import math
-import mmap
 import os
 import re
 import sys
@@ -19,18 +17,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol, cast
-
-import xxhash
+from typing import IO, Any, Literal, cast
 
 from workers.engine.events import CheckpointEvent
-from workers.engine.hashed_file import HashedFileWriter
+from workers.engine.hashed_file import HashedFileWriter, sha256_file, xxh128_file
 
 # ASCII digits only (`\d` takes any Unicode digit), matched whole (`$` also matches before a newline).
 _NAME = re.compile(r"ckpt-([0-9]{9})\.pt")
 _MAX_STEP = 10**9 - 1  # the most nine digits hold
 _TEMP_GLOB = ".ckpt-*.tmp-*"
-_CHUNK = 8 << 20  # bytes hashed per call
 # Unlinking a file frees its blocks, which takes time in proportion to its size: a pruned
 # checkpoint at least this big is renamed out of sight at once and unlinked by a background thread,
 # so the save does not wait; smaller ones go inline.
@@ -94,46 +89,6 @@ def sidecar_digest(sidecar: Path) -> str:
     """The digest a `sha256sum`/`xxhsum`-style sidecar records ("" for an empty file)."""
     words = sidecar.read_text().split()
     return words[0] if words else ""
-
-
-class _Hash(Protocol):
-    def update(self, data: memoryview, /) -> None: ...
-    def hexdigest(self) -> str: ...
-
-
-def sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """(hex sha256, size in bytes) of a file."""
-    return _hash_file(path, hashlib.sha256())
-
-
-def xxh128_file(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """(hex XXH3-128, size in bytes) of a file (what `xxhsum -H2` prints)."""
-    return _hash_file(path, xxhash.xxh3_128())
-
-
-def _hash_file(path: str | os.PathLike[str], h: _Hash) -> tuple[str, int]:
-    with open(path, "rb", buffering=0) as f:
-        try:
-            # Hashed from a mapping rather than read(): straight from the page cache, without a copy
-            # of every byte into a buffer.
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):  # an empty file, or a filesystem that cannot map
-            buf = memoryview(bytearray(_CHUNK))
-            size = 0
-            while n := f.readinto(buf):
-                h.update(buf[:n])
-                size += n
-            return h.hexdigest(), size
-        with mapped:
-            if hasattr(mapped, "madvise"):  # a long readahead keeps the disk busy while this hashes
-                mapped.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(mapped)
-            try:
-                for start in range(0, len(view), _CHUNK):
-                    h.update(view[start : start + _CHUNK])
-            finally:
-                view.release()
-            return h.hexdigest(), len(mapped)
 
 
 @contextmanager
@@ -259,6 +214,18 @@ class CheckpointManager:
         if self.best is None:
             return True
         return value < self.best[1] if self.keep_best == "min" else value > self.best[1]
+
+    def consider_best(self, step: int, figures: Mapping[str, float], metric: str) -> bool:
+        """Make `step` the best if its figure for `metric` beats the best so far; whether it did."""
+        if metric not in figures:
+            raise ValueError(
+                f"checkpoint.keep_best.metric {metric!r} is not among the evaluation's figures "
+                f"({', '.join(sorted(figures))})"
+            )
+        if not self.is_better(figures[metric]):
+            return False
+        self.best = (step, figures[metric])
+        return True
 
     def best_state(self) -> dict[str, Any]:
         """The best so far as weights_only-safe values for the training state ({} if none)."""

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from api_schemas import EVAL_METRIC_PATTERN
+from api_schemas import EVAL_METRIC_PATTERN, JobSpec
 from dptrain.plan import Plan
 from workers.engine import distributed as D
 from workers.engine.conventions import batch_size, check_loss, loss_and_outputs
+from workers.engine.data import batch_source
 
 LOSS = "eval/loss"
 
@@ -125,6 +126,33 @@ class Evaluator:
             )
         pairs = values[1:]
         return {n: pairs[2 * k] / pairs[2 * k + 1] for k, n in enumerate(names) if pairs[2 * k + 1] > 0}
+
+
+def evaluator_for(
+    *,
+    spec: JobSpec,
+    plan: Plan,
+    env: D.DistEnv,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Evaluator | None:
+    """The job's evaluator, or None without `evaluation`; ValueError if the plan has no eval data."""
+    ev = spec.evaluation
+    if ev is None:
+        return None
+    if plan.eval_dataset is None:
+        raise ValueError("the spec asks for evaluation but the plan has no eval_dataset")
+    # Fixed by the spec, not by the world size this attempt runs at: the same batches at any world.
+    size = ev.batch_size or max(1, spec.hyperparameters.global_batch_size // spec.world_size)
+    return Evaluator(
+        plan=plan,
+        dataset=batch_source(plan.eval_dataset, plan.collate_fn),
+        env=env,
+        device=device,
+        batch_size=size,
+        max_batches=ev.max_batches,
+        autocast=autocast,
+    )
 
 
 def metric_name(name: str) -> str:

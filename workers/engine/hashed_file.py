@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
@@ -164,3 +164,46 @@ class HashedFileWriter:
         self._hasher.shutdown()
         self._disk.shutdown()
         os.close(self._fd)
+
+
+_CHUNK = 8 << 20  # bytes hashed per call by the file hashers below
+
+
+class _Hash(Protocol):
+    def update(self, data: memoryview, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+def sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """(hex sha256, size in bytes) of a file."""
+    return _hash_file(path, hashlib.sha256())
+
+
+def xxh128_file(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """(hex XXH3-128, size in bytes) of a file (what `xxhsum -H2` prints)."""
+    return _hash_file(path, xxhash.xxh3_128())
+
+
+def _hash_file(path: str | os.PathLike[str], h: _Hash) -> tuple[str, int]:
+    with open(path, "rb", buffering=0) as f:
+        try:
+            # Hashed from a mapping rather than read(): straight from the page cache, without a copy
+            # of every byte into a buffer.
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # an empty file, or a filesystem that cannot map
+            buf = memoryview(bytearray(_CHUNK))
+            size = 0
+            while n := f.readinto(buf):
+                h.update(buf[:n])
+                size += n
+            return h.hexdigest(), size
+        with mapped:
+            if hasattr(mapped, "madvise"):  # a long readahead keeps the disk busy while this hashes
+                mapped.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(mapped)
+            try:
+                for start in range(0, len(view), _CHUNK):
+                    h.update(view[start : start + _CHUNK])
+            finally:
+                view.release()
+            return h.hexdigest(), len(mapped)

@@ -18,7 +18,7 @@ from workers.engine.clipping import clip_grad_norm_
 from workers.engine.compile import compile_model
 from workers.engine.conventions import check_loss, loss_and_outputs, make_optimizer, split_batch
 from workers.engine.data import GlobalBatchSampler, batch_source
-from workers.engine.evaluation import Evaluator
+from workers.engine.evaluation import evaluator_for
 from workers.engine.events import EventWriter, FinishedEvent, MetricsEvent, StartedEvent
 from workers.engine.faults import Fault
 from workers.engine.local_sgd import LocalSGD
@@ -91,25 +91,7 @@ class Trainer:
         self.averaged_buffers: list[torch.Tensor] = []  # filled by wrap() in engine.buffers "average" mode
         self.local_sgd: LocalSGD | None = None  # built by wrap() for engine.mode "local_sgd" at world > 1
         self.sparse_sync: SparseGradSync | None = None  # set by wrap() at world > 1 for sparse-grad params
-        self.evaluator = self._evaluator()
-
-    def _evaluator(self) -> Evaluator | None:
-        ev = self.spec.evaluation
-        if ev is None:
-            return None
-        if self.plan.eval_dataset is None:
-            raise ValueError("the spec asks for evaluation but the plan has no eval_dataset")
-        # Fixed by the spec, not by the world size this attempt runs at: the same batches at any world.
-        size = ev.batch_size or max(1, self.spec.hyperparameters.global_batch_size // self.spec.world_size)
-        return Evaluator(
-            plan=self.plan,
-            dataset=batch_source(self.plan.eval_dataset, self.plan.collate_fn),
-            env=self.env,
-            device=self.device,
-            batch_size=size,
-            max_batches=ev.max_batches,
-            autocast=self._autocast,
-        )
+        self.evaluator = evaluator_for(spec=spec, plan=plan, env=env, device=device, autocast=self._autocast)
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -391,18 +373,8 @@ class Trainer:
         if self.env.is_main:
             self.events.emit(MetricsEvent(step=self.iter, values=figures))
         keep = self.spec.checkpoint.keep_best
-        if keep is None:
-            return False
-        if keep.metric not in figures:
-            raise ValueError(
-                f"checkpoint.keep_best.metric {keep.metric!r} is not among the evaluation's figures "
-                f"({', '.join(sorted(figures))})"
-            )
         # The figures are the allreduced ones, the same floats on every rank: the same decision everywhere.
-        if not self.checkpoints.is_better(figures[keep.metric]):
-            return False
-        self.checkpoints.best = (self.iter, figures[keep.metric])
-        return True
+        return keep is not None and self.checkpoints.consider_best(self.iter, figures, keep.metric)
 
     def _save(self, last: bool, best: bool = False) -> None:
         saved = self.checkpoints.save(self.iter, self.state_dict(), last=last, best=best)
