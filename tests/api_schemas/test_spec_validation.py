@@ -190,6 +190,64 @@ CASES: list[tuple[str, dict[str, Any], tuple[str | int, ...], str]] = [
         ("body", "hyperparameters", "deep"),
         "nested more than 32 levels deep",
     ),
+    (
+        "keep_best without evaluation",
+        {**VALID, "checkpoint": {"keep_best": {"metric": "eval/loss"}}},
+        ("body", "checkpoint", "keep_best"),
+        "keep_best needs 'evaluation'",
+    ),
+    (
+        "keep_best on a metric the recipe does not report",
+        {**VALID, "evaluation": {"every_steps": 5}, "checkpoint": {"keep_best": {"metric": "eval/f1"}}},
+        ("body", "checkpoint", "keep_best", "metric"),
+        "recipe 'mlp' reports eval/loss, eval/accuracy, not 'eval/f1'",
+    ),
+    (
+        "keep_best on a training metric",
+        {**VALID, "evaluation": {"every_steps": 5}, "checkpoint": {"keep_best": {"metric": "loss"}}},
+        ("body", "checkpoint", "keep_best", "metric"),
+        "pattern",
+    ),
+    (
+        "keep_best mode",
+        {**VALID, "evaluation": {"every_steps": 5}, "checkpoint": {"keep_best": {"mode": "lowest"}}},
+        ("body", "checkpoint", "keep_best", "mode"),
+        "'min' or 'max'",
+    ),
+    (
+        "evaluation of a command",
+        {"name": "x", "command": ["python", "t.py"], "evaluation": {"every_steps": 5}},
+        ("body", "evaluation"),
+        "a command evaluates on its own",
+    ),
+    (
+        "evaluation every 0 steps",
+        {**VALID, "evaluation": {"every_steps": 0}},
+        ("body", "evaluation", "every_steps"),
+        "greater than or equal to 1",
+    ),
+    (
+        "compile with buckets DDPOptimizer refuses",
+        {
+            **VALID,
+            "resources": {"processes_per_node": 2},
+            "engine": {"compile": True, "bucket_cap_mb": 0.5},
+        },
+        ("body", "engine", "bucket_cap_mb"),
+        "engine.compile needs buckets of at least 1 MiB",
+    ),
+    (
+        "unknown compile backend",
+        {**VALID, "engine": {"compile": True, "compile_backend": "tvm"}},
+        ("body", "engine", "compile_backend"),
+        "'inductor', 'aot_eager' or 'eager'",
+    ),
+    (
+        "gpt width not divisible by heads",
+        {"name": "x", "recipe": "gpt", "hyperparameters": {"d_model": 30, "n_heads": 4}},
+        ("body", "hyperparameters"),
+        "d_model 30 is not divisible by n_heads 4",
+    ),
 ]
 
 # Non-finite numbers as a client's JSON library writes them (Python's parser takes all three, and
