@@ -209,13 +209,13 @@ class JobSpec(Strict):
         if self.command is None and (reason := self._uneven_batch(self.world_size)) is not None:
             refuse(("hyperparameters", "global_batch_size"), reason, self.hyperparameters.global_batch_size)
         self._evaluation_rules(refuse)
-        e = self.engine
-        if e.compile and self.world_size > 1 and e.bucket_cap_mb < 1:
+        engine = self.engine
+        if engine.compile and self.world_size > 1 and engine.bucket_cap_mb < 1:
             # DDP's first bucket is 1 MiB and torch.compile's DDPOptimizer needs the others no smaller.
             refuse(
                 ("engine", "bucket_cap_mb"),
                 "engine.compile needs buckets of at least 1 MiB at world size > 1 (DDP's first bucket)",
-                e.bucket_cap_mb,
+                engine.bucket_cap_mb,
             )
         if (model := RECIPES.get(self.recipe or "")) is not None:
             try:

@@ -121,7 +121,8 @@ def plain_side(case: Case, device: torch.device | None = None, precision: str = 
     inputs, targets = data.inputs, data.targets  # type: ignore[attr-defined]
     n = inputs.shape[0]
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
-    loss_fn = nn.functional.cross_entropy
+    assert plan.loss_fn is not None, "the built-in recipes use loss_fn"
+    loss_fn = plan.loss_fn  # the recipe's own: cross entropy over classes, or over every position (gpt)
     b = case.batch
     gen = torch.Generator().manual_seed(mix_seed(SEED, 1))
     bf16 = precision == "bf16"

@@ -32,6 +32,14 @@ FULL = [
         "mlp 8x2048, batch 1024", "mlp", {"input_size": 1024, "hidden_size": 2048, "num_layers": 8}, 1024, 300
     ),
     Case("cnn_bn 32x32, batch 256", "cnn_bn", {"image_size": 32}, 256, 300),
+    # The transformer the GPU issue measures: SGD on both sides, as in the other cases.
+    Case(
+        "gpt 8x512, seq 256, batch 32",
+        "gpt",
+        {"vocab_size": 8192, "seq_len": 256, "d_model": 512, "n_heads": 8, "n_layers": 8, "optimizer": "sgd"},
+        32,
+        100,
+    ),
 ]
 SMOKE = [Case("mlp 2x64, batch 32", "mlp", {"input_size": 32, "hidden_size": 64, "num_layers": 2}, 32, 5)]
 
