@@ -26,13 +26,13 @@
   }
 
   // lines: [{ label, color, points }]; `points` marks each value (sparse series: evaluations), and a
-  // line spans the steps where only other series have a value.
-  function makeChart(container, title, lines) {
+  // line spans the steps where only other series have a value. xRange: uPlot's x scale range function.
+  function makeChart(container, title, lines, xRange = undefined) {
     const width = Math.max(320, container.clientWidth - 8);
     // eslint-disable-next-line no-undef
     const chart = new uPlot({
       width, height: 220, title,
-      scales: { x: { time: false } },
+      scales: { x: { time: false, range: xRange } },
       // Compact tick labels (12k, 3.4M) so large throughputs are not clipped at the chart's edge.
       axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(compact) }],
       series: [{ label: "step" }, ...lines.map((l) => ({
@@ -144,7 +144,16 @@
         }
         if (charts[name]) charts[name].setData(data);
       }
-      if (Object.keys(newSeries).some((name) => name.startsWith(EVAL_PREFIX))) drawEval();
+      // New loss points widen the evaluation chart's steps too (lossSteps).
+      if (Object.keys(newSeries).some((name) => name.startsWith(EVAL_PREFIX) || (name === "loss" && evalChart))) drawEval();
+    }
+
+    // The evaluation chart spans the loss chart's steps, so each evaluation lines up with the training
+    // beside it.
+    function lossSteps(u, min, max) {
+      const steps = series.loss ? series.loss[0] : [];
+      if (!steps.length) return [min, max];
+      return [Math.min(min, steps[0]), Math.max(max, steps[steps.length - 1])];
     }
 
     function drawEval() {
@@ -159,7 +168,7 @@
         evalEmpty.hidden = true;
         evalBody.hidden = false;
         const lines = names.map((n, i) => ({ label: n, color: EVAL_COLORS[i % EVAL_COLORS.length], points: true }));
-        evalChart = { names, chart: makeChart(evalBody, "Evaluation", lines) };
+        evalChart = { names, chart: makeChart(evalBody, "Evaluation", lines, lossSteps) };
       }
       // uPlot takes one x array for all series: the union of their steps, null where one has no value.
       const steps = [...new Set(names.flatMap((n) => series[n][0]))].sort((a, b) => a - b);
