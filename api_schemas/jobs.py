@@ -326,6 +326,10 @@ class CheckpointInfo(BaseModel):
     created_at: datetime
     size_bytes: int
     sha256: str
+    best: bool = Field(
+        False,
+        description="The job's best checkpoint under `checkpoint.keep_best` (at most one of a job's is).",
+    )
 
 
 class CheckpointList(BaseModel):

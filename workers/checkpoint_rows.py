@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
 from workers.attempts import Attempt
-from workers.engine.checkpoint import CheckpointManager, checkpoint_files, sidecar_digest
+from workers.engine.checkpoint import CheckpointManager, checkpoint_files, read_best_step, sidecar_digest
 
 
 def missing_checkpoints(sessions: sessionmaker[Session], *, job_id: str, directory: Path) -> str | None:
@@ -27,9 +27,12 @@ def sync_checkpoints(sessions: sessionmaker[Session], *, att: Attempt, directory
     """Make the job's checkpoint rows match its files before a restart.
 
     Ranks of a lost worker may have saved (and pruned, keep_last) checkpoints that nobody reported:
-    list what is there, verified by its sidecar, and forget rows whose files are gone.
+    list what is there, verified by its sidecar, and forget rows whose files are gone. The best
+    mark follows the engine's marker file (checkpoint.keep_best), which a killed attempt may have
+    moved without its event ever being read.
     """
     files = checkpoint_files(directory)
+    best = read_best_step(directory)
     with sessions.begin() as session:
         rows = {c.step: c.path for c in jobs_repository.checkpoints(session, job_id=att.job_id)}
         gone = [path for step, path in rows.items() if step not in files]
@@ -46,7 +49,10 @@ def sync_checkpoints(sessions: sessionmaker[Session], *, att: Attempt, directory
                 "size_bytes": path.stat().st_size,
                 "sha256": sidecar_digest(sidecar),
                 "created_at": utcnow(),
+                "best": step == best,
             }
             jobs_repository.upsert_checkpoint(session, row=row)
+        # Kept rows too: a best reported before the kill may since have been superseded on disk.
+        jobs_repository.mark_best_checkpoint(session, job_id=att.job_id, step=best)
         if not jobs_repository.fenced_update(session, job_id=att.job_id, claim_token=att.token, values={}):
             session.rollback()

@@ -133,6 +133,9 @@ class Reporter:
                     "size_bytes": event.size_bytes,
                     "sha256": event.sha256,
                     "created_at": utcnow(),
+                    # Written in the batch's transaction with the previous best's flag cleared, so
+                    # the API never shows two best checkpoints, nor none while one exists.
+                    "best": event.best,
                 }
             )
             self._deleted.extend(event.deleted)

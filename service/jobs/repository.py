@@ -247,11 +247,26 @@ def add_log_lines(session: Session, *, rows: list[dict[str, Any]]) -> None:
 
 
 def upsert_checkpoint(session: Session, *, row: dict[str, Any]) -> None:
-    """Record a checkpoint; a later attempt that rewrites the same step replaces the row."""
+    """Record a checkpoint; a later attempt that rewrites the same step replaces the row.
+
+    A row with `best` true becomes the job's only best one.
+    """
     session.execute(
         delete(Checkpoint).where(Checkpoint.job_id == row["job_id"], Checkpoint.step == row["step"])
     )
     session.execute(insert(Checkpoint), [row])
+    if row.get("best"):
+        mark_best_checkpoint(session, job_id=row["job_id"], step=row["step"])
+
+
+def mark_best_checkpoint(session: Session, *, job_id: str, step: int | None) -> None:
+    """Make the checkpoint of `step` the job's best and no other (None: none is)."""
+    # Only rows whose flag changes are written: a sync that finds the marks right touches nothing.
+    session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.best != (Checkpoint.step == step))
+        .values(best=Checkpoint.step == step)
+    )
 
 
 def delete_checkpoints(session: Session, *, job_id: str, paths: list[str]) -> None:

@@ -237,7 +237,12 @@ def checkpoint_infos(rows: Sequence[Checkpoint]) -> list[CheckpointInfo]:
     """Wire forms of checkpoint rows."""
     return [
         CheckpointInfo(
-            id=c.id, step=c.step, created_at=c.created_at, size_bytes=c.size_bytes, sha256=c.sha256
+            id=c.id,
+            step=c.step,
+            created_at=c.created_at,
+            size_bytes=c.size_bytes,
+            sha256=c.sha256,
+            best=c.best,
         )
         for c in rows
     ]

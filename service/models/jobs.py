@@ -143,6 +143,8 @@ class Checkpoint(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # The job's best checkpoint under `checkpoint.keep_best` (at most one row of a job).
+    best: Mapped[bool] = mapped_column(default=False)
 
 
 class LogLine(Base):

@@ -2,7 +2,9 @@
 
 The stack has one worker with one slot, which makes the story deterministic: a long job holds the slot
 (running), a short job submitted after it waits (queued), the long job is cancelled from its detail page,
-and the short one then runs to `succeeded` while the list page watches. Screenshots go to test-reports/.
+and the short one then runs to `succeeded` while the list page watches. The short one evaluates and keeps
+its best checkpoint: its page draws the evaluation chart and badges the best checkpoint, where the long
+one's says it has no evaluation. Screenshots go to test-reports/.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 REPORTS = ROOT / "test-reports"
 LOSS_RGB = (37, 99, 235)  # the loss series' stroke, #2563eb in detail.js
+EVAL_LOSS_RGB = (220, 38, 38)  # eval/loss, the evaluation chart's first series: #dc2626 in detail.js
 
 # Counts canvas pixels of one colour: the series line, not the axes and grid uPlot also draws.
 _COUNT_PIXELS = """([selector, rgb]) => {
@@ -52,14 +55,18 @@ def browser() -> Iterator[Browser]:
         b.close()
 
 
-def _submit(stack: Stack, name: str, **hp: Any) -> str:
+def _submit(stack: Stack, name: str, *, evaluate: bool = False, **hp: Any) -> str:
+    # Evaluating at the checkpoints' steps: each checkpoint is a candidate for the best one.
+    evaluation = {"evaluation": {"every_steps": 20, "max_batches": 2}} if evaluate else {}
+    best = {"keep_best": {"metric": "eval/loss", "mode": "min"}} if evaluate else {}
     spec = job_spec(
         name=name,
         hyperparameters={"global_batch_size": 32, "lr": 0.05, "steps": 40, **hp},
         resources={"processes_per_node": 2, "device": "cpu"},
         engine={"log_every_steps": 1},
-        checkpoint={"every_steps": 20, "keep_last": 2},
+        checkpoint={"every_steps": 20, "keep_last": 2, **best},
         labels={"suite": "dashboard"},
+        **evaluation,
     )
     r = stack.http.post("/v1/jobs", json=spec)
     assert r.status_code == 201, f"expected 201 for {name}, got {r.status_code}: {r.text}"
@@ -79,15 +86,17 @@ def _expect_status(stack: Stack, page: Page, job_id: str, status: str, timeout_m
         ) from None
 
 
-def _wait_for_line(page: Page, selector: str, what: str, timeout: float = 60) -> int:
+def _wait_for_line(
+    page: Page, selector: str, what: str, timeout: float = 60, rgb: tuple[int, int, int] = LOSS_RGB
+) -> int:
     deadline = time.monotonic() + timeout
     count = -1
     while time.monotonic() < deadline:
-        count = page.evaluate(_COUNT_PIXELS, [selector, list(LOSS_RGB)])
+        count = page.evaluate(_COUNT_PIXELS, [selector, list(rgb)])
         if count > 50:
             return int(count)
         time.sleep(0.5)
-    raise AssertionError(f"{what}: expected the loss line drawn (> 50 pixels of it), got {count}")
+    raise AssertionError(f"{what}: expected the line drawn in {selector} (> 50 pixels of it), got {count}")
 
 
 def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Browser) -> None:
@@ -112,7 +121,7 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     long_id = _submit(stack, "ui-long", steps=10_000_000)
     long_row = page.locator(f'tr[data-job-id="{long_id}"]')
     _expect_status(stack, page, long_id, "running", 60_000)
-    short_id = _submit(stack, "ui-short")
+    short_id = _submit(stack, "ui-short", evaluate=True)
     short_row = page.locator(f'tr[data-job-id="{short_id}"]')
     _expect_status(stack, page, short_id, "queued", 10_000)
     expect(short_row).to_contain_text("suite=dashboard")
@@ -121,6 +130,7 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     long_row.locator("a").click()
     expect(page.locator(".head h1")).to_have_text("ui-long")
     _wait_for_line(page, '[data-chart="loss"]', "running job")
+    expect(page.locator("#eval-note")).to_contain_text("no evaluation")
     page.screenshot(path=str(REPORTS / "dashboard-running.png"), full_page=True)
     page.click("#cancel")
     _expect_status(stack, page, long_id, "cancelled", 30_000)
@@ -143,6 +153,21 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     for c in checkpoints:
         expect(page.locator(f'#checkpoints tr[data-step="{c["step"]}"]')).to_contain_text(c["sha256"])
     expect(page.locator("#latest-metrics")).to_contain_text("loss")
+
+    # Its evaluations (at steps 20 and 40) drawn beside the loss, and the better one's checkpoint
+    # badged as the best.
+    evals = stack.http.get(f"/v1/jobs/{short_id}/metrics", params={"name": "eval/loss"}).json()["series"]
+    points = evals.get("eval/loss", [])
+    assert [s for s, _ in points] == [20, 40], f"expected eval/loss at steps 20 and 40, got {evals}"
+    best_step = min(points, key=lambda p: p[1])[0]
+    assert [c["step"] for c in checkpoints if c["best"]] == [best_step], (
+        f"expected only the checkpoint of the lowest eval/loss ({points}) best, got {checkpoints}"
+    )
+    _wait_for_line(page, '[data-chart="eval"]', "finished job's evaluation", rgb=EVAL_LOSS_RGB)
+    expect(page.locator("#eval-note")).to_be_hidden()
+    expect(page.locator("#latest-metrics")).to_contain_text("eval/loss")
+    expect(page.locator(f'#checkpoints tr[data-step="{best_step}"] .badge.best')).to_have_text("best")
+    expect(page.locator("#checkpoints .badge.best")).to_have_count(1)
     expect(page.locator("#logs")).to_contain_text("rank1|")
     expect(page.locator("#cancel")).to_be_hidden()
     page.screenshot(path=str(REPORTS / "dashboard.png"), full_page=True)

@@ -15,16 +15,22 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from service.config import Settings
+from service.jobs.metrics_repository import metric_series
 from service.models import Checkpoint, Job
 from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
-from workers.engine.checkpoint import checkpoint_name
+from workers.engine.checkpoint import checkpoint_name, read_best_step
 from workers.engine.events import StartedEvent, events_path, parse_event
 from workers.procs import rank_processes
 from workers.runner import RunPaths
 
 STEPS = 24
+# Evaluating every 4 steps, keeping the best checkpoint: the mark must survive the kill.
+KEEP_BEST: dict[str, Any] = {
+    "evaluation": {"every_steps": 4, "max_batches": 1},
+    "checkpoint": {"every_steps": 4, "keep_last": 10, "keep_best": {"metric": "eval/loss", "mode": "min"}},
+}
 
 
 settings, sessions = node_fixtures()
@@ -68,10 +74,10 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
 ) -> None:
     # Slow steps (the math is unchanged), so the kill lands mid-run, after a checkpoint.
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "sleep:ms=120")
-    reference = _submit(sessions, name="uninterrupted")
+    reference = _submit(sessions, name="uninterrupted", **KEEP_BEST)
     assert run_attempt(job_id=reference, settings=settings) is JobStatus.SUCCEEDED
 
-    job_id = _submit(sessions, max_restarts=1)
+    job_id = _submit(sessions, max_restarts=1, **KEEP_BEST)
     out: list[Any] = []
     thread = threading.Thread(target=lambda: out.append(run_attempt(job_id=job_id, settings=settings)))
     thread.start()
@@ -110,6 +116,15 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     want, got = _final_state(settings, reference), _final_state(settings, job_id)
     for key in ("model", "optimizer", "iter", "world_size"):
         assert_bitwise_equal(want[key], got[key], key)
+
+    # The best checkpoint is the lowest eval/loss's (the earliest of equals), as the engine's marker
+    # says, and it is the one row marked best, across the kill.
+    with sessions() as s:
+        evals = metric_series(s, job_id=job_id, since_step=None, names=["eval/loss"])["eval/loss"]
+        best_rows = [c.step for c in s.query(Checkpoint).filter_by(job_id=job_id) if c.best]
+    lowest = min(evals, key=lambda p: (p[1], p[0]))[0]
+    marker = read_best_step(_paths(settings, job_id, attempt=2).checkpoint_dir)
+    assert best_rows == [lowest] == [marker], f"best rows {best_rows}, marker {marker}, eval/loss {evals}"
 
 
 @pytest.mark.e2e

@@ -1,5 +1,6 @@
-// One job: header and cancel, live loss and throughput charts (uPlot), latest metrics, state timeline,
-// checkpoints, per-rank log tail and the spec. Live over the SSE stream; polling if that fails.
+// One job: header and cancel, live loss, evaluation and throughput charts (uPlot), latest metrics, state
+// timeline, checkpoints (the best one badged), per-rank log tail and the spec. Live over the SSE stream;
+// polling if that fails.
 "use strict";
 
 (() => {
@@ -10,6 +11,13 @@
     { metric: "loss", title: "Loss", color: "#2563eb" },
     { metric: "samples_per_s", title: "Throughput (samples/s)", color: "#15803d" },
   ];
+  // Every `eval/<name>` series a job reports shares one chart, `eval/loss` first, one colour each.
+  const EVAL_PREFIX = "eval/";
+  const EVAL_COLORS = ["#dc2626", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
+
+  function evalOrder(a, b) {
+    return (b === "eval/loss") - (a === "eval/loss") || a.localeCompare(b);
+  }
 
   const compactFormat = new Intl.NumberFormat("en", { notation: "compact", maximumSignificantDigits: 3 });
 
@@ -17,16 +25,20 @@
     return v === null || v === undefined ? "" : Math.abs(v) >= 1000 ? compactFormat.format(v) : String(+v.toPrecision(3));
   }
 
-  function makeChart(container, title, color) {
+  // lines: [{ label, color, points }]; `points` marks each value (sparse series: evaluations), and a
+  // line spans the steps where only other series have a value. xRange: uPlot's x scale range function.
+  function makeChart(container, title, lines, xRange = undefined) {
     const width = Math.max(320, container.clientWidth - 8);
     // eslint-disable-next-line no-undef
     const chart = new uPlot({
       width, height: 220, title,
-      scales: { x: { time: false } },
+      scales: { x: { time: false, range: xRange } },
       // Compact tick labels (12k, 3.4M) so large throughputs are not clipped at the chart's edge.
       axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(compact) }],
-      series: [{ label: "step" }, { label: title, stroke: color, width: 2, points: { show: false } }],
-    }, [[], []], container);
+      series: [{ label: "step" }, ...lines.map((l) => ({
+        label: l.label, stroke: l.color, width: 2, spanGaps: true, points: { show: !!l.points, size: 6, fill: l.color },
+      }))],
+    }, [[], ...lines.map(() => [])], container);
     d.currentScope().charts.push(chart);
     return chart;
   }
@@ -39,6 +51,11 @@
       const body = el("div", { class: "chart", "data-chart": c.metric });
       return { ...c, body, card: el("section", { class: "card" }, body) };
     });
+    // Until the job reports an evaluation figure the card says why there is none.
+    const evalNote = el("p", { class: "muted", id: "eval-note" });
+    const evalEmpty = el("div", { class: "chart-empty" }, el("h2", { text: "Evaluation" }), evalNote);
+    const evalBody = el("div", { class: "chart", "data-chart": "eval", hidden: true });
+    const evalCard = el("section", { class: "card", id: "eval-card" }, evalEmpty, evalBody);
     const latest = el("dl", { class: "kv", id: "latest-metrics" });
     const timeline = el("tbody", { id: "timeline" });
     const ckpts = el("tbody", { id: "checkpoints" });
@@ -47,7 +64,8 @@
     const spec = el("pre", { class: "spec", id: "spec" });
     const problem = el("p", { class: "error", role: "alert" });
     view.append(header, problem, error,
-      el("div", { class: "grid" }, chartCards.map((c) => c.card)),
+      // The evaluation chart beside the loss chart.
+      el("div", { class: "grid" }, chartCards[0].card, evalCard, chartCards.slice(1).map((c) => c.card)),
       el("div", { class: "grid" },
         el("section", { class: "card" }, el("h2", { text: "Latest metrics" }), latest),
         el("section", { class: "card" }, el("h2", { text: "Timeline" }),
@@ -62,6 +80,7 @@
     const charts = {};
     const series = {}; // metric -> [steps[], values[]]
     let lastStep = -1;
+    let evalChart = null; // { chart, names }
 
     function renderHeader() {
       const cancel = el("button", { class: "danger", id: "cancel", text: job.cancel_requested ? "Cancelling…" : "Cancel",
@@ -85,6 +104,9 @@
         error.replaceChildren(el("h2", { text: `Error: ${e.type}${e.rank !== null && e.rank !== undefined ? ` on rank ${e.rank}` : ""}` }),
           el("p", { class: "error", text: e.message }), e.traceback ? el("pre", { class: "spec", text: e.traceback }) : null);
       }
+      evalNote.textContent = job.spec.evaluation
+        ? `No evaluation yet: it runs every ${job.spec.evaluation.every_steps} steps and at the end.`
+        : "No evaluation: this job's spec has no evaluation section.";
       latest.replaceChildren(...Object.entries(job.latest_metrics || {}).flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { class: "mono", text: fmt(v) })]));
       if (rankSelect.options.length === 1) {
         const world = job.spec.resources.nodes * job.spec.resources.processes_per_node;
@@ -102,10 +124,13 @@
     }
 
     function setJob(next) {
-      const statusChanged = !job || job.status !== next.status || job.attempt !== next.attempt;
+      const restarted = job && job.attempt !== next.attempt;
+      const statusChanged = !job || job.status !== next.status || restarted;
       job = next;
       renderHeader();
       if (statusChanged) loadTimeline();
+      // A new attempt re-reads the checkpoint files, which may move the best mark without a new row.
+      if (restarted) loadCheckpoints().catch(() => {});
     }
 
     function addPoints(newSeries) {
@@ -119,6 +144,39 @@
         }
         if (charts[name]) charts[name].setData(data);
       }
+      // New loss points widen the evaluation chart's steps too (lossSteps).
+      if (Object.keys(newSeries).some((name) => name.startsWith(EVAL_PREFIX) || (name === "loss" && evalChart))) drawEval();
+    }
+
+    // The evaluation chart spans the loss chart's steps, so each evaluation lines up with the training
+    // beside it.
+    function lossSteps(u, min, max) {
+      const steps = series.loss ? series.loss[0] : [];
+      if (!steps.length) return [min, max];
+      return [Math.min(min, steps[0]), Math.max(max, steps[steps.length - 1])];
+    }
+
+    function drawEval() {
+      const names = Object.keys(series).filter((n) => n.startsWith(EVAL_PREFIX)).sort(evalOrder);
+      if (evalChart === null || evalChart.names.join("\n") !== names.join("\n")) {
+        // A series uPlot was not built with: build the chart again (a job's eval names rarely change).
+        if (evalChart !== null) {
+          const all = s.charts;
+          all.splice(all.indexOf(evalChart.chart), 1);
+          evalChart.chart.destroy();
+        }
+        evalEmpty.hidden = true;
+        evalBody.hidden = false;
+        const lines = names.map((n, i) => ({ label: n, color: EVAL_COLORS[i % EVAL_COLORS.length], points: true }));
+        evalChart = { names, chart: makeChart(evalBody, "Evaluation", lines, lossSteps) };
+      }
+      // uPlot takes one x array for all series: the union of their steps, null where one has no value.
+      const steps = [...new Set(names.flatMap((n) => series[n][0]))].sort((a, b) => a - b);
+      const columns = names.map((n) => {
+        const at = new Map(series[n][0].map((step, i) => [step, series[n][1][i]]));
+        return steps.map((step) => (at.has(step) ? at.get(step) : null));
+      });
+      evalChart.chart.setData([steps, ...columns]);
     }
 
     async function loadTimeline() {
@@ -130,10 +188,17 @@
 
     async function loadCheckpoints() {
       const { data } = await api(`/v1/jobs/${jobId}/checkpoints`);
-      ckpts.replaceChildren(...data.items.map((c) => el("tr", { "data-step": c.step },
-        el("td", { text: String(c.step) }), el("td", { text: ago(c.created_at), title: c.created_at }),
+      ckpts.replaceChildren(...data.items.map((c) => el("tr", { "data-step": c.step, "data-best": c.best },
+        el("td", {}, String(c.step), c.best
+          ? el("span", { class: "badge best", text: "best", title: `best ${bestMetric()} so far` }) : null),
+        el("td", { text: ago(c.created_at), title: c.created_at }),
         el("td", { text: bytes(c.size_bytes) }), el("td", { class: "mono", text: c.sha256 }),
         el("td", {}, el("button", { text: "Download", onclick: () => download(c) })))));
+    }
+
+    function bestMetric() {
+      const best = job && job.spec.checkpoint && job.spec.checkpoint.keep_best;
+      return best ? best.metric : "evaluation";
     }
 
     async function download(c) {
@@ -168,13 +233,19 @@
     }
     rankSelect.addEventListener("change", () => { logCursor = null; logs.textContent = ""; pollLogs(); });
 
+    // The last step again: a step's evaluation may be stored a tick after its loss, and addPoints
+    // skips the points each series already has.
+    function sinceStep() {
+      return Math.max(-1, lastStep - 1);
+    }
+
     // Polling fallback: conditional GETs of the job, then only what is new.
     async function poll() {
       const r = await api(`/v1/jobs/${jobId}`, { etag: jobEtag });
       if (r.notModified) return;
       jobEtag = r.etag;
       setJob(r.data);
-      const m = await api(`/v1/jobs/${jobId}/metrics?since_step=${lastStep}&max_points=${d.MAX_CHART_POINTS}`);
+      const m = await api(`/v1/jobs/${jobId}/metrics?since_step=${sinceStep()}&max_points=${d.MAX_CHART_POINTS}`);
       addPoints(m.data.series);
       await loadCheckpoints();
     }
@@ -184,7 +255,7 @@
       s.aborts.push(abort);
       let gotEvent = false;
       try {
-        await streamEvents(`/v1/jobs/${jobId}/events?since_step=${lastStep}&max_points=${d.MAX_CHART_POINTS}`, (type, data) => {
+        await streamEvents(`/v1/jobs/${jobId}/events?since_step=${sinceStep()}&max_points=${d.MAX_CHART_POINTS}`, (type, data) => {
           gotEvent = true;
           d.showLive("live");
           if (type === "job") setJob(data);
@@ -211,7 +282,7 @@
         if (!(e instanceof d.Unauthorized)) problem.textContent = e.message;
         return;
       }
-      for (const c of chartCards) charts[c.metric] = makeChart(c.body, c.title, c.color);
+      for (const c of chartCards) charts[c.metric] = makeChart(c.body, c.title, [{ label: c.title, color: c.color }]);
       const m = await api(`/v1/jobs/${jobId}/metrics?max_points=${d.MAX_CHART_POINTS}`);
       addPoints(m.data.series);
       await loadCheckpoints();
