@@ -97,9 +97,21 @@ def test_every_node_registers_its_address_device_and_slots(cluster: Cluster) -> 
         assert w["address"] == want, w
 
 
+# Evaluation every 4 steps, the best checkpoint kept: its figures go through the API like the loss.
+EVALUATED = {
+    "evaluation": {"every_steps": 4, "batch_size": 24},
+    "checkpoint": {"every_steps": 4, "keep_last": 3, "keep_best": {"metric": "eval/loss", "mode": "min"}},
+}
+
+
+def _eval_loss(c: Cluster, job_id: str) -> list[tuple[int, float]]:
+    series = c.http.get(f"/v1/jobs/{job_id}/metrics").json()["series"]
+    return [(int(step), float(value)) for step, value in series["eval/loss"]]
+
+
 def test_two_nodes_of_two_ranks_end_with_the_parameters_of_one_node_of_four(cluster: Cluster) -> None:
-    spread = _submit(cluster, _spec("two-by-two", nodes=2, ppn=2))
-    single = _submit(cluster, _spec("one-by-four", nodes=1, ppn=4))
+    spread = _submit(cluster, _spec("two-by-two", nodes=2, ppn=2, **EVALUATED))
+    single = _submit(cluster, _spec("one-by-four", nodes=1, ppn=4, **EVALUATED))
     _succeeded(cluster, spread)
     _succeeded(cluster, single)
     assert _placed_on(cluster, spread) == "placed on n0, n1", "best fit: the two 2-slot nodes"
@@ -109,6 +121,14 @@ def test_two_nodes_of_two_ranks_end_with_the_parameters_of_one_node_of_four(clus
     for name in a:
         diff = (a[name] - b[name]).abs().max().item()
         assert diff <= TOLERANCE, f"{name}: 2x2 vs 1x4 differ by {diff:.3g}"
+    # Evaluation: the same figures at 2x2 and 1x4, and the best checkpoint marked in the API.
+    evals = {job: _eval_loss(cluster, job) for job in (spread, single)}
+    assert [s for s, _ in evals[spread]] == [4, 8], evals
+    for (_, x), (_, y) in zip(evals[spread], evals[single], strict=True):
+        assert abs(x - y) <= TOLERANCE, evals
+    best_step = min(evals[spread], key=lambda sv: sv[1])[0]
+    ckpts = cluster.http.get(f"/v1/jobs/{spread}/checkpoints").json()["items"]
+    assert [k["step"] for k in ckpts if k["best"]] == [best_step], ckpts
     logs = cluster.http.get(f"/v1/jobs/{spread}/logs", params={"limit": 10_000}).json()["items"]
     assert {line["rank"] for line in logs} >= {0, 1, 2, 3}, "the ranks of both nodes report their logs"
 
