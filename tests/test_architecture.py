@@ -98,3 +98,10 @@ def test_no_test_module_imports_another() -> None:
             if bad:
                 found.setdefault(str(path.relative_to(ROOT)), set()).update(bad)
     assert found == {}, f"test modules imported by others: {found}"
+
+
+def test_user_code_and_examples_import_only_the_public_package() -> None:
+    # What users copy must not reach into the worker: `from dptrain import Plan`, never `workers.*`.
+    found = {**_imports(ROOT / "examples"), **_imports(ROOT / "tests" / "fixtures")}
+    bad = {f: m & {"workers", "service"} for f, m in found.items() if m & {"workers", "service"}}
+    assert bad == {}, f"user code imports the worker's modules: {bad}"
