@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
-from workers.engine.data import mix_seed
-from workers.engine.recipes.plan import EvalFigures
+from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.recipes.plan import EvalFigures, Plan
 
 # Added to a recipe's data stream id to seed its eval split: a generator of its own, so drawing the
 # eval samples never moves the training stream (a seed gives the same training data whatever
@@ -27,3 +28,14 @@ def argmax_accuracy(outputs: torch.Tensor, batch: Any) -> EvalFigures:
     # The sum stays on the device: the engine adds it up without a host sync per batch.
     correct = (outputs.argmax(dim=-1) == targets).sum()
     return {"accuracy": (correct, targets.numel())}
+
+
+def classifier_plan(model: nn.Module, train: TensorDataset, held_out: TensorDataset) -> Plan:
+    """The Plan of a built-in classifier: mean cross entropy, its eval split and `eval/accuracy`."""
+    return Plan(
+        model=model,
+        dataset=train,
+        loss_fn=nn.functional.cross_entropy,
+        eval_dataset=held_out,
+        eval_metrics=argmax_accuracy,
+    )

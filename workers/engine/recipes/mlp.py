@@ -10,7 +10,7 @@ from torch import nn
 
 from api_schemas.recipes import MlpParams
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
+from workers.engine.recipes.eval_split import classifier_plan, eval_generator
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the sampler's streams (see data.py).
@@ -55,10 +55,4 @@ def build(params: Mapping[str, Any], seed: int) -> Plan:
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
     cfg = MlpParams.model_validate(params)
     train, held_out = build_datasets(cfg, seed)
-    return Plan(
-        model=build_model(cfg),
-        dataset=train,
-        loss_fn=nn.functional.cross_entropy,
-        eval_dataset=held_out,
-        eval_metrics=argmax_accuracy,
-    )
+    return classifier_plan(build_model(cfg), train, held_out)

@@ -17,7 +17,7 @@ from torch import nn
 
 from api_schemas.recipes import SparseEmbeddingParams
 from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
+from workers.engine.recipes.eval_split import classifier_plan, eval_generator
 from workers.engine.recipes.plan import Plan
 
 # Stream id for the dataset generator, distinct from the other recipes' and the sampler's (data.py).
@@ -87,10 +87,4 @@ def build(params: Mapping[str, Any], seed: int) -> Plan:
     cfg = SparseEmbeddingParams.model_validate(params)
     train, held_out = build_datasets(cfg, seed)
     # No optimizer factory: the engine's default SGD already gives the sparse table plain SGD (sparse.py).
-    return Plan(
-        model=build_model(cfg),
-        dataset=train,
-        loss_fn=nn.functional.cross_entropy,
-        eval_dataset=held_out,
-        eval_metrics=argmax_accuracy,
-    )
+    return classifier_plan(build_model(cfg), train, held_out)
