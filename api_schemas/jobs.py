@@ -22,6 +22,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from api_schemas.base import JsonValue, Strict
 from api_schemas.code import CodeRef, CommandArg, EnvName, EnvValue
+from api_schemas.data import DataSpec, data_rules
 from api_schemas.recipes import EVAL_METRICS, RECIPES
 from api_schemas.training import CheckpointSpec, EngineOptions, EvaluationSpec
 
@@ -135,6 +136,10 @@ class JobSpec(Strict):
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     resources: Resources = Field(default_factory=Resources)
     engine: EngineOptions = Field(default_factory=EngineOptions)
+    data: DataSpec = Field(
+        default_factory=DataSpec,
+        description="How the ranks load batches (DataLoader options) and which data files they read.",
+    )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     evaluation: EvaluationSpec | None = Field(
         None,
@@ -209,6 +214,7 @@ class JobSpec(Strict):
         if self.command is None and (reason := self._uneven_batch(self.world_size)) is not None:
             refuse(("hyperparameters", "global_batch_size"), reason, self.hyperparameters.global_batch_size)
         self._evaluation_rules(refuse)
+        data_rules(self, refuse)
         engine = self.engine
         if engine.compile and self.world_size > 1 and engine.bucket_cap_mb < 1:
             # DDP's first bucket is 1 MiB and torch.compile's DDPOptimizer needs the others no smaller.

@@ -14,6 +14,7 @@ from workers.engine.launch import SUPERVISOR_ENV
 __all__ = [
     "ATTEMPT_ENV",
     "CHECKPOINT_DIR_ENV",
+    "DATA_ROOT_ENV",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
     "RUN_DIR_ENV",
@@ -30,6 +31,9 @@ RUN_DIR_ENV = "DPTRAIN_RUN_DIR"
 # Per job, shared by its attempts, on storage every node sees: all ranks load from it.
 CHECKPOINT_DIR_ENV = "DPTRAIN_CHECKPOINT_DIR"
 KEEP_LAST_ENV = "DPTRAIN_KEEP_LAST"
+# The operator's read-only data root on this worker (its own setting, passed to every rank): data
+# paths of a spec are relative to it (dptrain.data.data_path).
+DATA_ROOT_ENV = "DPTRAIN_DATA_ROOT"
 # The runner creates RUN_DIR/STOP_FILE_NAME on cancel or deadline, `cancel_grace_seconds` before
 # it SIGTERMs the ranks: a script that polls `dptrain.should_stop()` saves and leaves in time.
 STOP_FILE_NAME = "stop"

@@ -21,7 +21,7 @@ docs/engine.md walks through each convention.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -52,6 +52,8 @@ class BuildContext:
     world_size: int
     rank: int
     local_batch_size: int  # samples per rank and optimizer step (before gradient accumulation)
+    # The spec's `data.train` / `data.eval`, opened under the data root (dptrain.data): "train", "eval".
+    data: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -62,7 +64,9 @@ class Plan:
       broadcasts rank 0's weights anyway). The engine moves it to the device.
     - `dataset`: a map-style dataset (items are tensors, tuples or dicts of tensors, collated by
       `collate_fn` or torch's `default_collate`) or anything with `batch(indices, device)`; the
-      engine decides which indices every rank reads and moves each batch to the device whole.
+      engine decides which indices every rank reads, loads them through torch's DataLoader (the
+      spec's `data` options) and moves each batch to the device whole. Or a `dptrain.data.Stream`
+      for data that can only be read in order. See dptrain.data for files under the data root.
     - How a step gets its loss, exactly one of:
       - `loss_fn(outputs, targets)`: the batch is `(inputs, targets)` and the loss is
         `loss_fn(model(inputs), targets)`;

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     code_max_unpacked_bytes: int = Field(1 << 30, ge=1024)
     # Where a worker unpacks code archives, once per sha256, read-only (default: HOME/code-cache).
     code_cache_dir: Path | None = None
+    # The operator's read-only data root on every worker (the same tree on each): a spec's data paths
+    # (`data.train`, `data.eval`) are relative to it. Where the API has it too, submit checks that
+    # those paths exist in it; the workers pass it to the ranks (dptrain.data.data_path).
+    data_root: Path | None = None
     # Run the ranks of every job as this unprivileged user (the worker must be root), each attempt in
     # a directory of its own that only it and the worker can read (docs/security.md).
     run_as: str = ""
@@ -105,6 +109,12 @@ class Settings(BaseSettings):
     api_url: str = "http://127.0.0.1:8000"
     token: SecretStr | None = None
 
+    @field_validator("data_root", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, v: object) -> object:
+        # DPTRAIN_DATA_ROOT= (empty) means no data root, not the current directory.
+        return None if v == "" else v
+
     @field_validator("bootstrap_token")
     @classmethod
     def _strong_token(cls, v: SecretStr | None) -> SecretStr | None:
@@ -127,6 +137,8 @@ class Settings(BaseSettings):
         if self.code_cache_dir is None:
             self.code_cache_dir = home / "code-cache"
         self.code_cache_dir = self.code_cache_dir.resolve()
+        if self.data_root is not None:
+            self.data_root = self.data_root.resolve()
         if self.rendezvous_port_min > self.rendezvous_port_max:
             raise ValueError("DPTRAIN_RENDEZVOUS_PORT_MIN must not exceed DPTRAIN_RENDEZVOUS_PORT_MAX")
         if self.default_page_size > self.max_page_size:

@@ -51,6 +51,10 @@ NOT_RETRIED = frozenset(
         # engine.compile's backend cannot run on the worker (no C++ compiler, no Triton): a setup
         # fault that a restart would only meet again (workers/engine/compile.py).
         "CompileUnavailable",
+        # A data path outside the data root (or no data root on the worker); a sample the plan's
+        # dataset cannot read for a reason other than I/O (DataReadError, an OSError's, is retried).
+        "DataPathError",
+        "DataLoadError",
     }
 )
 

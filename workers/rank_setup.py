@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import JobError
-from dptrain._env import sdk_env
+from dptrain._env import DATA_ROOT_ENV, sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
 from workers.code_cache import CodeArchiveError, unpack_cached
@@ -106,6 +106,8 @@ def prepare(
     )
     if code_dir is not None:
         ours[CODE_DIR_ENV] = str(code_dir)
+    if settings.data_root is not None:
+        ours[DATA_ROOT_ENV] = str(settings.data_root)
     env = rank_environment(
         worker_env=os.environ, dptrain=ours, user=spec.get("env") or {}, home=home, code_dir=code_dir
     )

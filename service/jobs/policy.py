@@ -1,10 +1,12 @@
-"""Which user code a submitted job may run: DPTRAIN_USER_CODE, the user's grant, allow-list, archive."""
+"""What this server checks of a submitted spec beyond the spec's own rules: which user code it may run
+(DPTRAIN_USER_CODE, the user's grant, the allow-list, the archive) and whether its data files exist."""
 
 from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
 from api_schemas import JobSpec, entrypoint_allowed
+from api_schemas.data import TokenFileSource
 from service.code import repository as code_repository
 from service.code import storage
 from service.code.service import refuse_unless_may_run_code
@@ -52,3 +54,29 @@ def _check_allowed(entrypoint: str, settings: Settings) -> None:
         shown = ", ".join(settings.entrypoint_prefixes) or "none"
         reason = f"module is not under an allowed prefix (DPTRAIN_ALLOWED_ENTRYPOINTS: {shown})"
         raise invalid_field(("body", "entrypoint"), reason, entrypoint)
+
+
+def check_data_paths(*, spec: JobSpec, settings: Settings) -> None:
+    """Refuse (422 at the field) data paths that this server's DPTRAIN_DATA_ROOT does not hold.
+
+    Only where the API host has the data root too (the workers' is the one that counts, and the
+    spec's own rules keep every path inside it lexically); here a symlink out of it, a missing path
+    or a file where a directory belongs is caught at submit instead of failing the job later.
+    """
+    root = settings.data_root
+    if root is None or not root.is_dir():
+        return
+    for split in ("train", "eval"):
+        source = getattr(spec.data, split)
+        if source is None:
+            continue
+        loc = ("body", "data", split, source.kind, "path")
+        path = (root / source.path).resolve()
+        if not path.is_relative_to(root):
+            raise invalid_field(
+                loc, "the path leads out of the data root (through a symbolic link)", source.path
+            )
+        want_file = isinstance(source, TokenFileSource)
+        if not (path.is_file() if want_file else path.is_dir()):
+            what = "file" if want_file else "directory"
+            raise invalid_field(loc, f"no such {what} in the data root (DPTRAIN_DATA_ROOT)", source.path)

@@ -83,6 +83,7 @@ async def submit_job(
     def accept(session: Session) -> tuple[JobRow, bool]:
         # Every rule of the spec itself ran when FastAPI validated it; this server's code policy is left.
         policy.check_user_code(session, user=user, spec=spec, settings=settings)
+        policy.check_data_paths(spec=spec, settings=settings)
         if idempotency_key is None:
             job, created = service.submit(session, user=user, spec=spec), True
         else:

@@ -24,10 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from api_schemas import EVAL_METRIC_PATTERN, JobSpec
+from dptrain.data import Stream
 from dptrain.plan import Plan
 from workers.engine import distributed as D
 from workers.engine.conventions import batch_size, check_loss, loss_and_outputs
 from workers.engine.data import batch_source
+from workers.engine.loader import Batches, fixed_batch_sampler, loader_options, map_loader
 
 LOSS = "eval/loss"
 
@@ -45,8 +47,11 @@ class Evaluator:
         batch_size: int,
         max_batches: int | None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+        loader_options: dict[str, Any] | None = None,
     ) -> None:
-        self.plan, self.dataset, self.env, self.device, self.autocast = plan, dataset, env, device, autocast
+        self.plan, self.env, self.device, self.autocast = plan, env, device, autocast
+        # `batch(indices, device)` form, for the empty batches of lockstep rounds.
+        self.dataset = batch_source(dataset, plan.collate_fn)
         self.batch_size = batch_size
         size = len(dataset)
         if size < 1:
@@ -56,6 +61,14 @@ class Evaluator:
         self.size = size
         # Collectives inside the model: every rank steps through every round (see the module docstring).
         self.lockstep = bool(plan.sharded)
+        # One loader for every evaluation, so persistent loader processes (data.persistent_workers)
+        # stay between them; None where this rank has no batch at all.
+        mine = [self._indices(i) for i in self.my_batches() if i >= 0]
+        self.loader = (
+            map_loader(dataset, plan.collate_fn, fixed_batch_sampler(mine), loader_options or {})
+            if mine
+            else None
+        )
 
     def _indices(self, i: int) -> torch.Tensor:
         start = i * self.batch_size
@@ -83,9 +96,14 @@ class Evaluator:
     def _local_totals(self, model: nn.Module) -> dict[str, torch.Tensor]:
         # name -> float64 [sum, count] on the device; added to without a host sync per batch.
         totals: dict[str, torch.Tensor] = {LOSS: torch.zeros(2, dtype=torch.float64, device=self.device)}
+        loaded = self._batches()
         for i in self.my_batches():
-            indices = self._indices(i) if i >= 0 else torch.empty(0, dtype=torch.long)
-            batch = self.dataset.batch(indices, self.device)
+            if i >= 0:
+                assert loaded is not None
+                indices, batch = self._indices(i), loaded.take()
+            else:
+                indices = torch.empty(0, dtype=torch.long)
+                batch = self.dataset.batch(indices, self.device)
             n = len(indices)
             with self.autocast():
                 loss, outputs = loss_and_outputs(self.plan, model, batch)
@@ -100,6 +118,26 @@ class Evaluator:
                 pair = torch.stack([_f64(v, self.device) for v in _sum_count(name, value)])
                 totals[key] = totals[key] + pair if key in totals else pair
         return totals
+
+    def _batches(self) -> Batches | None:
+        if self.loader is None:
+            return None
+        w = self.env.world_size
+        return Batches(
+            self.loader,
+            device=self.device,
+            rank=self.env.rank,
+            first=self.env.rank,
+            every=w,
+            label="eval batch",
+        )
+
+    def close(self) -> None:
+        """End persistent loader processes (the last evaluation is over)."""
+        iterator = getattr(self.loader, "_iterator", None)  # DataLoader keeps it only for persistent workers
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def _reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(totals)
@@ -142,16 +180,19 @@ def evaluator_for(
         return None
     if plan.eval_dataset is None:
         raise ValueError("the spec asks for evaluation but the plan has no eval_dataset")
+    if isinstance(plan.eval_dataset, Stream):
+        raise TypeError("eval_dataset must be map-style (len and indexing): evaluation needs a fixed set")
     # Fixed by the spec, not by the world size this attempt runs at: the same batches at any world.
     size = ev.batch_size or max(1, spec.hyperparameters.global_batch_size // spec.world_size)
     return Evaluator(
         plan=plan,
-        dataset=batch_source(plan.eval_dataset, plan.collate_fn),
+        dataset=plan.eval_dataset,
         env=env,
         device=device,
         batch_size=size,
         max_batches=ev.max_batches,
         autocast=autocast,
+        loader_options=loader_options(spec.data, device, seed=spec.hyperparameters.seed, persistent=True),
     )
 
 

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     from workers.engine.checkpoint import CheckpointManager
     from workers.engine.config import configure
     from workers.engine.conventions import build_plan
+    from workers.engine.datafiles import open_spec_data
     from workers.engine.faults import fault_from_env
     from workers.engine.recipes import builder_of, plan_params
     from workers.engine.trainer import Trainer
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
             world_size=env.world_size,
             rank=env.rank,
             local_batch_size=spec.local_batch_size(env.world_size),
+            data=open_spec_data(spec),
         )
         plan = build_plan(builder, plan_params(spec), seed, ctx)
         best = spec.checkpoint.keep_best

@@ -38,6 +38,7 @@ class _Logged:
     lr: float
     grad_norm: torch.Tensor | None
     seconds: float  # since the previous logged step (or the end of a save), on this rank's clock
+    data_wait: float  # of those seconds, the time this rank waited for its batches
     steps: int  # steps in those seconds
     time: float  # wall clock when the step ended: the event's `time`
 
@@ -77,8 +78,19 @@ class MetricsWindow:
         """Start step timing afresh after `step` (a checkpoint save's time is not step time)."""
         self._mark, self._mark_step = time.perf_counter(), step
 
-    def record(self, step: int, *, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor | None) -> None:
-        """Hold a logged step's local loss, lr, grad norm and timing until its window is flushed."""
+    def record(
+        self,
+        step: int,
+        *,
+        loss: torch.Tensor,
+        lr: float,
+        grad_norm: torch.Tensor | None,
+        data_wait: float = 0.0,
+    ) -> None:
+        """Hold a logged step's local loss, lr, grad norm and timing until its window is flushed.
+
+        `data_wait`: seconds this rank waited for data since the previous logged step.
+        """
         now = time.perf_counter()
         self.pending.append(
             _Logged(
@@ -87,6 +99,7 @@ class MetricsWindow:
                 lr=lr,
                 grad_norm=None if grad_norm is None else grad_norm.detach(),
                 seconds=now - self._mark,
+                data_wait=data_wait,
                 steps=step - self._mark_step,
                 time=time.time(),
             )
@@ -109,30 +122,35 @@ class MetricsWindow:
         # the next window's length is then computed from the same float on every rank.
         step_time = sum(p.seconds for p in held) / sum(p.steps for p in held) if self.env.is_main else 0.0
         clock = torch.tensor(step_time, dtype=torch.float32, device=self.device)
-        vec = torch.stack([*(p.loss for p in held), clock])
-        losses = vec[:-1]
+        n = len(held)
+        # Each rank's data wait rides along too, so the figure reported is the mean over ranks.
+        waits = torch.tensor([p.data_wait for p in held], dtype=torch.float32, device=self.device)
+        vec = torch.cat([torch.stack([p.loss for p in held]), waits, clock.reshape(1)])
+        losses, waited = vec[:n], vec[n : 2 * n]
         if D.active(self.env):
             # Sum then divide, in float32, as a per-step allreduce of each loss would. At world 2 each
             # element is bitwise that result (a + b is commutative); past 2 ranks a ring allreduce may
             # add an element's terms in another order than for a lone scalar (last-bit differences).
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-            losses = vec[:-1] / self.env.world_size
+            losses, waited = vec[:n] / self.env.world_size, vec[n : 2 * n] / self.env.world_size
         if self.env.is_main:
-            self._emit(held, losses.tolist())
+            self._emit(held, losses.tolist(), waited.tolist())
         self.window = next_window(float(vec[-1]))
         self.window_start = step
 
-    def _emit(self, held: Sequence[_Logged], losses: list[float]) -> None:
+    def _emit(self, held: Sequence[_Logged], losses: list[float], waited: list[float]) -> None:
         norms = [p.grad_norm for p in held if p.grad_norm is not None]
         # One conversion for all norms (one device sync on CUDA, not one per step).
         norm_values = iter(torch.stack(norms).tolist() if norms else [])
         rows = []
-        for p, loss in zip(held, losses, strict=True):
+        for p, loss, wait in zip(held, losses, waited, strict=True):
             values = {
                 "loss": loss,
                 "lr": p.lr,
                 "samples_per_s": self.global_batch_size * p.steps / p.seconds,
                 "step_time_s": p.seconds / p.steps,
+                # Of each step's time, how long the ranks (on average) waited for their batches.
+                "data_wait_s": wait / p.steps,
             }
             if p.grad_norm is not None:
                 # From averaged grads, so identical on every rank: no collective (in a LocalSGD local

@@ -17,10 +17,12 @@ from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.compile import compile_model
 from workers.engine.conventions import check_loss, loss_and_outputs, make_optimizer, split_batch
-from workers.engine.data import GlobalBatchSampler, batch_source
+from workers.engine.data import GlobalBatchSampler
+from workers.engine.datapipe import DataPipe
 from workers.engine.evaluation import evaluator_for
 from workers.engine.events import EventWriter, FinishedEvent, MetricsEvent, StartedEvent
 from workers.engine.faults import Fault
+from workers.engine.loader import Batches
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
 from workers.engine.metrics_window import MetricsWindow
@@ -56,7 +58,8 @@ class Trainer:
         self.local_batch_size = spec.local_batch_size(env.world_size)  # refuses an uneven split
         self.plan = plan
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
-        self.dataset = batch_source(plan.dataset, plan.collate_fn)
+        # How every rank reads its batches (a sampler over a map-style dataset, or a stream).
+        self.data = DataPipe(spec=spec, plan=plan, env=env, device=device)
         self.sharded = list(plan.sharded)
         params = dict(self.model.named_parameters())
         missing = [n for n in self.sharded if n not in params]
@@ -78,7 +81,6 @@ class Trainer:
         self.scheduler = plan.lr_scheduler(self.optimizer) if plan.lr_scheduler is not None else None
         self.optim_names = optimizer_param_names(self.model, self.optimizer)
         self.guard = NonFiniteGuard(optimizer=self.optimizer, env=env, device=device)
-        self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
         self.iter = 0  # optimizer steps completed (Caffe2's ITER)
         self.train_model: nn.Module = self.model  # DDP wrapper once wrap() ran at world > 1
         e = spec.engine
@@ -118,6 +120,7 @@ class Trainer:
             **({"lr_scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}),
             "iter": self.iter,
             **self.checkpoints.best_state(),
+            **self.data.state_dict(),
             "world_size": self.env.world_size,
             "rng": rng,
             # Provenance: what was trained, as plain (weights_only-safe) JSON values.
@@ -140,6 +143,7 @@ class Trainer:
             self.scheduler.load_state_dict(state["lr_scheduler"])
         self.iter = int(state["iter"])
         self.checkpoints.restore_best(state)
+        self.data.load_state_dict(state)
         rng = state.get("rng", {})
         if "cpu" in rng:
             torch.set_rng_state(rng["cpu"])
@@ -253,9 +257,21 @@ class Trainer:
         with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
             return check_loss(loss_and_outputs(self.plan, self.train_model, batch)[0])
 
-    def _step(self, it: int) -> torch.Tensor:
-        idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
-        batch = self.dataset.batch(idx, self.device)
+    @property
+    def dataset(self) -> Any:
+        """The plan's map-style dataset as `batch(indices, device)` (what `_step` reads without a loader)."""
+        return self.data.dataset
+
+    @property
+    def sampler(self) -> GlobalBatchSampler:
+        """The global batch sampler of a map-style dataset."""
+        assert self.data.sampler is not None, "a stream has no sampler"
+        return self.data.sampler
+
+    def _step(self, it: int, batch: Any = None) -> torch.Tensor:
+        if batch is None:  # driven step by step (tests, benchmarks): gather in place
+            idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
+            batch = self.dataset.batch(idx, self.device)
         # Per-rank MEAN loss; DDP divides the summed gradients by world size (data_parallel_model's
         # loss_scale = 1/devices), so the update equals the one for the global-batch mean loss at
         # any world size.
@@ -331,10 +347,29 @@ class Trainer:
             total_steps=total,
             start_step=self.iter,
         )
+        batches = self.data.batches(first=self.iter, stop=total)
+        try:
+            self._loop(batches, metrics)
+        finally:
+            batches.close()  # the loader's processes end with the loop, also when a step raised
+            if self.evaluator is not None:
+                self.evaluator.close()
+        # No rank reports success before every rank has finished its last step.
+        D.barrier(self.env)
+        if main:
+            self.events.emit(FinishedEvent(step=self.iter))
+
+    def _loop(self, batches: Batches, metrics: MetricsWindow) -> None:
+        total = self.spec.hyperparameters.steps
+        main = self.env.is_main
         while self.iter < total:
             if self.fault is not None:
                 self.fault.maybe_fire(self.env.rank, self.iter)
-            loss = self._step(self.iter)
+            batch = batches.take()
+            self.data.taken(batches)
+            loss = self._step(self.iter, batch)
+            # The step's work is queued (on a GPU it runs on): fetch and copy the next batch meanwhile.
+            batches.prefetch()
             self.iter += 1
             last = self.iter == total
             # Functions of the step: the same on every rank, so the collectives below line up.
@@ -342,7 +377,9 @@ class Trainer:
             evaluate = self.evaluator is not None and (self.iter % self._eval_every == 0 or last)
             if metrics.logs(self.iter):
                 lr = float(self.optimizer.param_groups[0]["lr"])
-                metrics.record(self.iter, loss=loss, lr=lr, grad_norm=self.grad_norm)
+                metrics.record(
+                    self.iter, loss=loss, lr=lr, grad_norm=self.grad_norm, data_wait=batches.take_waited()
+                )
             # Flushed at the last step and before a save or an evaluation, so every metrics event
             # precedes the checkpoint or finished event after it; the decision depends on steps only, so
             # every rank issues the flush's allreduce at the same point.
@@ -357,10 +394,6 @@ class Trainer:
                 self._save(last, best)
             if save or evaluate:
                 metrics.restart_clock(self.iter)  # keep save and eval time out of step timing
-        # No rank reports success before every rank has finished its last step.
-        D.barrier(self.env)
-        if main:
-            self.events.emit(FinishedEvent(step=self.iter))
 
     @property
     def _eval_every(self) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.data import mix_seed
 from workers.engine.recipes.plan import EvalFigures, Plan
 
 # Added to a recipe's data stream id to seed its eval split: a generator of its own, so drawing the
@@ -30,7 +30,7 @@ def argmax_accuracy(outputs: torch.Tensor, batch: Any) -> EvalFigures:
     return {"accuracy": (correct, targets.numel())}
 
 
-def classifier_plan(model: nn.Module, train: TensorDataset, held_out: TensorDataset) -> Plan:
+def classifier_plan(model: nn.Module, train: Any, held_out: Any) -> Plan:
     """The Plan of a built-in classifier: mean cross entropy, its eval split and `eval/accuracy`."""
     return Plan(
         model=model,

@@ -17,7 +17,8 @@ fixed, peaked random Markov chain, tiled to seq_len + 1 tokens (input = the firs
 the last seq_len). The first period is only partly predictable (the chain); from then on the next
 token is the one p positions back, which attention can learn to copy. The process (its transition
 table) is a function of the seed; train and eval samples are drawn from it by generators of their
-own, so the train split does not change with `eval_size`.
+own, so the train split does not change with `eval_size`. With `data.train: {kind: token_file}` the
+recipe trains from that file instead (windows of seq_len + 1 tokens; `data.eval` for evaluation).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def build(params: Mapping[str, Any], seed: int, ctx: BuildContext | None = None)
     """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init.
 
     `params` are the extras plus the spec's lr and weight_decay (absent: the spec's defaults). `ctx`,
-    where the engine passes one, tells AdamW whether to be fused.
+    where the engine passes one, tells AdamW whether to be fused and holds the spec's token files.
     """
     cfg = GptParams.model_validate({k: v for k, v in params.items() if k not in SPEC_HYPERPARAMETERS})
     defaults = Hyperparameters()
@@ -210,7 +211,9 @@ def build(params: Mapping[str, Any], seed: int, ctx: BuildContext | None = None)
     optimizer = (
         adamw_factory(lr, weight_decay, ctx.device if ctx else None) if cfg.optimizer == "adamw" else None
     )
-    train, held_out = build_datasets(cfg, seed)
+    files = ctx.data if ctx is not None else {}
+    # From the spec's token files where it names them (data.train; data.eval, if it evaluates).
+    train, held_out = (files["train"], files.get("eval")) if "train" in files else build_datasets(cfg, seed)
     return Plan(
         model=build_model(cfg),
         dataset=train,

@@ -11,7 +11,7 @@ from torch import nn
 from api_schemas.recipes import MlpParams
 from workers.engine.data import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import classifier_plan, eval_generator
-from workers.engine.recipes.plan import Plan
+from workers.engine.recipes.plan import BuildContext, Plan
 
 # Stream id for the dataset generator, distinct from the sampler's streams (see data.py).
 _DATA_STREAM = 7
@@ -51,8 +51,42 @@ def build_dataset(cfg: MlpParams, seed: int) -> TensorDataset:
     return build_datasets(cfg, seed)[0]
 
 
-def build(params: Mapping[str, Any], seed: int) -> Plan:
-    """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init."""
+class ShardPairs:
+    """A `Shards` directory as (inputs, targets) samples: tuples, or dicts with those two keys."""
+
+    def __init__(self, shards: Any, cfg: MlpParams, split: str) -> None:
+        self.shards = shards
+        inputs, targets = self[0]
+        if inputs.shape != (cfg.input_size,) or not inputs.is_floating_point():
+            raise ValueError(
+                f"data.{split}: inputs of sample 0 are {inputs.dtype} {tuple(inputs.shape)}, expected floats "
+                f"of shape ({cfg.input_size},) (input_size)"
+            )
+        if targets.dim() != 0 or targets.is_floating_point() or not 0 <= int(targets) < cfg.num_classes:
+            raise ValueError(
+                f"data.{split}: the target of sample 0 must be one integer class in [0, {cfg.num_classes})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        item = self.shards[index]
+        if isinstance(item, dict):
+            return item["inputs"], item["targets"]
+        inputs, targets = item
+        return inputs, targets
+
+
+def build(params: Mapping[str, Any], seed: int, ctx: BuildContext | None = None) -> Plan:
+    """Recipe builder; the caller seeds the global RNG (torch.manual_seed) before calling, for model init.
+
+    With `data.train: {kind: shards}` (and `data.eval` to evaluate) it trains from those samples.
+    """
     cfg = MlpParams.model_validate(params)
+    files = ctx.data if ctx is not None else {}
+    if "train" in files:
+        pairs = ShardPairs(files["eval"], cfg, "eval") if "eval" in files else None
+        return classifier_plan(build_model(cfg), ShardPairs(files["train"], cfg, "train"), pairs)
     train, held_out = build_datasets(cfg, seed)
     return classifier_plan(build_model(cfg), train, held_out)

@@ -1,0 +1,160 @@
+"""How a job's ranks load their data: DataLoader options and files under the operator's data root."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, StrictBool, ValidationError, WithJsonSchema
+
+from api_schemas.base import Strict
+
+if TYPE_CHECKING:
+    from api_schemas.jobs import JobSpec
+
+# One path segment: starts with a letter, digit or '_' (so never '.', '..' or a hidden name), then
+# a conservative set of characters that need no quoting in a shell or a URL.
+_SEGMENT = r"[A-Za-z0-9_][A-Za-z0-9_.+=@,\-]*"
+DATA_PATH_PATTERN = rf"^{_SEGMENT}(/{_SEGMENT})*$"
+MAX_DATA_PATH = 1024
+
+
+def _data_path(value: str) -> str:
+    # Each way out of the data root gets a message of its own; the pattern then checks the rest.
+    if value.startswith("/"):
+        raise ValueError("a data path is relative to the data root (DPTRAIN_DATA_ROOT), not absolute")
+    if any(part in ("..", ".") for part in value.split("/")):
+        raise ValueError("a data path may not contain '.' or '..' segments (it must stay in the data root)")
+    if re.fullmatch(DATA_PATH_PATTERN[1:-1], value) is None:
+        raise ValueError(
+            "expected segments of letters, digits and _ . + = @ , - separated by '/', each starting with a "
+            "letter, digit or '_'"
+        )
+    return value
+
+
+DataPath = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_DATA_PATH),
+    AfterValidator(_data_path),
+    WithJsonSchema({"type": "string", "maxLength": MAX_DATA_PATH, "pattern": DATA_PATH_PATTERN}),
+]
+
+
+class TokenFileSource(Strict):
+    """A flat array of tokens (nanoGPT's `.bin`): samples are windows of `block_size + 1` tokens."""
+
+    kind: Literal["token_file"]
+    path: DataPath = Field(description="The file, relative to the workers' DPTRAIN_DATA_ROOT.")
+    dtype: Literal["uint16", "uint32"] = Field("uint16", description="How each token is stored.")
+    block_size: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="Tokens per sample (inputs; targets are the same shifted by one). The `gpt` recipe "
+        "uses its `seq_len`; an entrypoint's plan must name it.",
+    )
+
+
+class ShardsSource(Strict):
+    """A directory of `.pt` or `.npy` shards whose rows are the samples, opened lazily (memory-mapped)."""
+
+    kind: Literal["shards"]
+    path: DataPath = Field(description="The directory, relative to the workers' DPTRAIN_DATA_ROOT.")
+
+
+DataSource = Annotated[TokenFileSource | ShardsSource, Field(discriminator="kind")]
+
+
+class DataSpec(Strict):
+    """How each rank loads batches (torch's DataLoader), and the data files a recipe or plan reads."""
+
+    num_workers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Loader processes per rank; 0 loads in the rank itself. Use some when each sample "
+        "costs CPU time (decoding, augmentation).",
+    )
+    prefetch_factor: int | None = Field(
+        None, ge=1, le=64, description="Batches each loader process prepares ahead (torch's default 2)."
+    )
+    pin_memory: StrictBool | None = Field(
+        None,
+        description="Load batches into pinned host memory, copied to the GPU without blocking; null: on "
+        "for cuda jobs. CPU jobs have nothing to pin.",
+    )
+    persistent_workers: StrictBool = Field(
+        False,
+        description="Keep the evaluation loader's processes between evaluations (training uses one "
+        "loader pass for the whole run anyway).",
+    )
+    train: DataSource | None = Field(
+        None, description="Training data from the data root, for recipes and plans that read files."
+    )
+    eval: DataSource | None = Field(None, description="Evaluation data from the data root.")
+
+    def pinned(self, device: str) -> bool:
+        """Whether batches go through pinned memory on a `device` job."""
+        return self.pin_memory if self.pin_memory is not None else device == "cuda"
+
+
+# Which data files each built-in recipe can train from (the others make their own synthetic data).
+RECIPE_DATA_KINDS: dict[str, tuple[str, ...]] = {"gpt": ("token_file",), "mlp": ("shards",)}
+
+
+# refuse(field path, reason, value): how JobSpec's cross-field validator collects an error.
+Refuse = Callable[[tuple[str | int, ...], str, Any], None]
+
+
+def data_rules(spec: JobSpec, refuse: Refuse) -> None:
+    """The spec's rules about `data`, across fields (JobSpec's validator calls this)."""
+    data = spec.data
+    # What torch's DataLoader would refuse at job start, refused here with the field's path.
+    if data.num_workers == 0:
+        for name in ("prefetch_factor", "persistent_workers"):
+            if getattr(data, name) not in (None, False):
+                refuse(("data", name), f"{name} needs data.num_workers > 0", getattr(data, name))
+    if data.pin_memory and spec.resources.device == "cpu":
+        refuse(("data", "pin_memory"), "pinned memory speeds copies to a GPU; a cpu job has none", True)
+    if spec.command is not None:
+        if data.model_fields_set:
+            refuse(("data",), "a command loads its own data (its files are under $DPTRAIN_DATA_ROOT)", None)
+        return
+    if data.eval is not None and data.train is None:
+        refuse(("data", "eval"), "data.eval needs data.train", None)
+    for split in ("train", "eval"):
+        source = getattr(data, split)
+        if source is None:
+            continue
+        if spec.recipe is not None:
+            kinds = RECIPE_DATA_KINDS.get(spec.recipe, ())
+            if source.kind not in kinds:
+                takes = f"reads {' or '.join(kinds)}" if kinds else "makes its own data and reads no files"
+                refuse(("data", split, "kind"), f"recipe {spec.recipe!r} {takes}", source.kind)
+                continue
+        if isinstance(source, TokenFileSource):
+            _token_file_rules(spec, split, source.block_size, refuse)
+    if (
+        spec.recipe is not None
+        and data.train is not None
+        and spec.evaluation is not None
+        and data.eval is None
+    ):
+        refuse(("data", "eval"), "evaluating a recipe that trains from files needs data.eval", None)
+
+
+def _token_file_rules(spec: JobSpec, split: str, block_size: int | None, refuse: Refuse) -> None:
+    if spec.recipe == "gpt":
+        try:
+            seq_len = getattr(spec.recipe_params(), "seq_len", None)
+        except ValidationError:  # refused on its own field already
+            return
+        if block_size is not None and block_size != seq_len:
+            reason = f"recipe 'gpt' reads windows of its seq_len ({seq_len}) tokens; leave block_size out"
+            refuse(("data", split, "block_size"), reason, block_size)
+    elif block_size is None:
+        refuse(
+            ("data", split, "block_size"), "a plan's token_file needs block_size (tokens per sample)", None
+        )

@@ -1,0 +1,76 @@
+"""The trainer's data: which batches each rank reads per ITER, through which loader, and what resumes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from api_schemas import JobSpec
+from dptrain.data import Stream
+from dptrain.plan import Plan
+from workers.engine import distributed as D
+from workers.engine.data import GlobalBatchSampler, batch_source, mix_seed
+from workers.engine.loader import Batches, loader_options, map_loader, step_batch_sampler, stream_loader
+from workers.engine.streams import StreamPosition
+
+# Seeds the loaders' own generators (their processes' base seed), apart from every other stream id.
+_LOADER_STREAM = 1 << 37
+
+
+class DataPipe:
+    """A plan's training data for one rank: a sampler over a map-style dataset, or a stream."""
+
+    def __init__(self, *, spec: JobSpec, plan: Plan, env: D.DistEnv, device: torch.device) -> None:
+        self.spec, self.plan, self.env, self.device = spec, plan, env, device
+        t = spec.hyperparameters
+        self.stream: Stream | None = plan.dataset if isinstance(plan.dataset, Stream) else None
+        # A stream's position at the current ITER (saved in checkpoints); unused for map-style data.
+        self.position = StreamPosition()
+        self.dataset: Any = None
+        self.sampler: GlobalBatchSampler | None = None
+        if self.stream is None:
+            self.dataset = batch_source(plan.dataset, plan.collate_fn)
+            self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume the data: a stream's position; nothing for map-style data."""
+        return {"data": {"stream": self.position.state()}} if self.stream is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a stream's position from a checkpoint's state."""
+        if self.stream is None:
+            return
+        saved = state.get("data", {}).get("stream")
+        if saved is None:
+            raise ValueError("the checkpoint holds no stream position: it was not written by a stream plan")
+        self.position = StreamPosition.from_state(saved)
+
+    def batches(self, *, first: int, stop: int) -> Batches:
+        """This rank's batches for ITER first..stop-1, through a DataLoader set up as the spec says."""
+        t = self.spec.hyperparameters
+        options = loader_options(self.spec.data, self.device, seed=mix_seed(t.seed, _LOADER_STREAM + first))
+        rank, world = self.env.rank, self.env.world_size
+        if self.stream is not None:
+            loader = stream_loader(
+                self.stream,
+                self.plan.collate_fn,
+                seed=t.seed,
+                global_batch_size=t.global_batch_size,
+                rank=rank,
+                world_size=world,
+                first=first,
+                stop=stop,
+                start=self.position,
+                options=options,
+            )
+        else:
+            assert self.sampler is not None
+            indices = step_batch_sampler(self.sampler, rank=rank, world_size=world, first=first, stop=stop)
+            loader = map_loader(self.plan.dataset, self.plan.collate_fn, indices, options)
+        return Batches(loader, device=self.device, rank=rank, first=first)
+
+    def taken(self, batches: Batches) -> None:
+        """Note the stream position after the batch just taken (the next ITER's start)."""
+        if batches.position is not None:
+            self.position = StreamPosition.from_state(batches.position)
