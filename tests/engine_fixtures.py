@@ -188,6 +188,40 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Launches:
     return Launches(tmp_path_factory.mktemp("launched"))
 
 
+def train_in_process(spec: Any, plan: Any, run_dir: Path) -> dict[str, Any]:
+    """Train `plan` under `spec` (a JobSpec) at world 1 in this process, as a rank would; its final state."""
+    import torch
+
+    from workers.engine.checkpoint import CheckpointManager
+    from workers.engine.distributed import DistEnv
+    from workers.engine.events import EventWriter
+    from workers.engine.trainer import Trainer
+
+    events = EventWriter(events_path(run_dir, 0), 0)
+    checkpoints = CheckpointManager(
+        run_dir / "checkpoints", spec.checkpoint.keep_last, True, spec.checkpoint.every_steps
+    )
+    try:
+        trainer = Trainer(spec, plan, DistEnv(), torch.device("cpu"), events, checkpoints)
+        trainer.train()
+        return trainer.state_dict()
+    finally:
+        events.close()
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Live processes with `text` in an argument (a job id): a rank, or a loader process it forked."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:  # process exited while we looked
+            continue
+        if any(text.encode() in a for a in args):
+            found.append(f"{cmdline.parent.name}: {b' '.join(args).decode(errors='replace')}")
+    return found
+
+
 def assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
     """Recursive torch.equal over checkpoint structures."""
     import torch

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.engine_fixtures import processes_mentioning
+
 pytestmark = pytest.mark.e2e  # torchrun, and a look at what it left running
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:  # process exited while we looked
-            continue
-        if any(text.encode() in a for a in args):
-            found.append(f"{cmdline.parent.name}: {b' '.join(args).decode(errors='replace')}")
-    return found
 
 
 def test_injected_fault_fails_job_and_cleans_up(engine_runner: Any, make_spec: Any) -> None:
@@ -39,6 +28,6 @@ def test_injected_fault_fails_job_and_cleans_up(engine_runner: Any, make_spec: A
 
     # torchrun tears the surviving rank down before it returns; allow a moment for reaping.
     deadline = time.monotonic() + 10
-    while (left := _processes_mentioning(run.job_id)) and time.monotonic() < deadline:
+    while (left := processes_mentioning(run.job_id)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"expected no process of job {run.job_id} to remain, found {left}"
