@@ -29,6 +29,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 REPORTS = ROOT / "test-reports"
 LOSS_RGB = (37, 99, 235)  # the loss series' stroke, #2563eb in detail.js
 EVAL_LOSS_RGB = (220, 38, 38)  # eval/loss, the evaluation chart's first series: #dc2626 in detail.js
+DATA_WAIT_RGB = (180, 83, 9)  # data_wait_s, #b45309 in detail.js
 
 # Counts canvas pixels of one colour: the series line, not the axes and grid uPlot also draws.
 _COUNT_PIXELS = """([selector, rgb]) => {
@@ -146,6 +147,8 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     short_row.locator("a").click()
     expect(page.locator(".head .badge")).to_have_text("succeeded")
     _wait_for_line(page, '[data-chart="loss"]', "finished job")
+    # How long its steps waited for data, charted beside the throughput.
+    _wait_for_line(page, '[data-chart="data_wait_s"]', "finished job's data wait", rgb=DATA_WAIT_RGB)
     expect(page.locator("#timeline tr")).to_have_count(3)  # submitted -> queued, running, succeeded
     checkpoints = stack.http.get(f"/v1/jobs/{short_id}/checkpoints").json()["items"]
     steps = [c["step"] for c in checkpoints]

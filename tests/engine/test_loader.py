@@ -44,6 +44,9 @@ def test_loader_processes_give_bitwise_the_parameters_of_loading_in_the_rank(
     # The same batches in the same order, whoever loads them: the same floats, not just close ones.
     assert_bitwise_equal(want["model"], got["model"], f"world {world} model")
     assert_bitwise_equal(want["optimizer"]["state"], got["optimizer"]["state"], f"world {world} optimizer")
+    # And so, as without loader processes, within 1e-6 of world 1's.
+    one = equivalence_runs[1].checkpoint(steps)["model"]
+    assert max(float((got["model"][k] - one[k]).abs().max()) for k in one) <= 1e-6
 
 
 @pytest.mark.e2e

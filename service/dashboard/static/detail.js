@@ -1,5 +1,5 @@
-// One job: header and cancel, live loss, evaluation and throughput charts (uPlot), latest metrics, state
-// timeline, checkpoints (the best one badged), per-rank log tail and the spec. Live over the SSE stream;
+// One job: header and cancel, live loss, evaluation, throughput and data-wait charts (uPlot), latest
+// metrics, state timeline, checkpoints (the best one badged), per-rank log tail and the spec. Live over the SSE stream;
 // polling if that fails.
 "use strict";
 
@@ -10,6 +10,8 @@
   const CHARTS = [
     { metric: "loss", title: "Loss", color: "#2563eb" },
     { metric: "samples_per_s", title: "Throughput (samples/s)", color: "#15803d" },
+    // Of each step, the time the ranks waited for their batches: a slow input pipeline shows here.
+    { metric: "data_wait_s", title: "Data wait (s per step)", color: "#b45309" },
   ];
   // Every `eval/<name>` series a job reports shares one chart, `eval/loss` first, one colour each.
   const EVAL_PREFIX = "eval/";
