@@ -97,6 +97,14 @@ class Evaluator:
         # name -> float64 [sum, count] on the device; added to without a host sync per batch.
         totals: dict[str, torch.Tensor] = {LOSS: torch.zeros(2, dtype=torch.float64, device=self.device)}
         loaded = self._batches()
+        try:
+            self._add_up(model, totals, loaded)
+        finally:
+            if loaded is not None:
+                loaded.close()  # this pass's loader processes, unless they persist between evaluations
+        return totals
+
+    def _add_up(self, model: nn.Module, totals: dict[str, torch.Tensor], loaded: Batches | None) -> None:
         for i in self.my_batches():
             if i >= 0:
                 assert loaded is not None
@@ -117,7 +125,6 @@ class Evaluator:
                 key = metric_name(name)
                 pair = torch.stack([_f64(v, self.device) for v in _sum_count(name, value)])
                 totals[key] = totals[key] + pair if key in totals else pair
-        return totals
 
     def _batches(self) -> Batches | None:
         if self.loader is None:

@@ -69,16 +69,16 @@ class _Fetch:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitems__(self, indices: torch.Tensor) -> Any:
+    def __getitems__(self, indices: list[int]) -> Any:
         if self.gathers:
             try:
-                return self.dataset.batch(indices, CPU)
+                return self.dataset.batch(torch.tensor(indices, dtype=torch.long), CPU)
             except Exception as exc:
                 # The dataset may name the sample in its message (TokenFile does); else name them all.
-                shown = ", ".join(str(int(i)) for i in indices[:8]) + (", ..." if len(indices) > 8 else "")
+                shown = ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
                 return load_failure(f"samples {shown}", exc)
         items = []
-        for i in indices.tolist():
+        for i in indices:
             try:
                 items.append(self.dataset[i])
             except Exception as exc:
@@ -94,7 +94,11 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
-class _StepIndices(Sampler[torch.Tensor]):
+# Batch samplers yield plain lists: a tensor would go to a loader process through shared memory (an
+# extra round trip per batch), and a slice of the epoch's cached order would take the whole order along.
+
+
+class _StepIndices(Sampler[list[int]]):
     """The rank's local indices of ITER first..stop-1, one batch per ITER (DataLoader's batch_sampler)."""
 
     def __init__(
@@ -108,21 +112,21 @@ class _StepIndices(Sampler[torch.Tensor]):
             stop,
         )
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[list[int]]:
         for it in range(self.first, self.stop):
-            yield self.sampler.local_indices(it, self.rank, self.world_size)
+            yield self.sampler.local_indices(it, self.rank, self.world_size).tolist()
 
     def __len__(self) -> int:
         return max(0, self.stop - self.first)
 
 
-class _FixedBatches(Sampler[torch.Tensor]):
+class _FixedBatches(Sampler[list[int]]):
     """The same list of index batches on every pass (an evaluation's)."""
 
     def __init__(self, batches: Sequence[torch.Tensor]) -> None:
-        self.batches = list(batches)
+        self.batches = [b.tolist() for b in batches]
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches)
 
     def __len__(self) -> int:
@@ -151,7 +155,7 @@ def loader_options(
 def map_loader(
     dataset: Any,
     collate_fn: Callable[[list[Any]], Any] | None,
-    batches: Sampler[torch.Tensor],
+    batches: Sampler[list[int]],
     options: dict[str, Any],
 ) -> DataLoader[Any]:
     """A DataLoader reading `dataset` (map-style) in the index batches `batches` yields."""
@@ -160,12 +164,12 @@ def map_loader(
 
 def step_batch_sampler(
     sampler: GlobalBatchSampler, *, rank: int, world_size: int, first: int, stop: int
-) -> Sampler[torch.Tensor]:
+) -> Sampler[list[int]]:
     """The batch sampler for training steps first..stop-1 on `rank`."""
     return _StepIndices(sampler, rank, world_size, first, stop)
 
 
-def fixed_batch_sampler(batches: Sequence[torch.Tensor]) -> Sampler[torch.Tensor]:
+def fixed_batch_sampler(batches: Sequence[torch.Tensor]) -> Sampler[list[int]]:
     """A batch sampler that yields `batches` on every pass."""
     return _FixedBatches(batches)
 
@@ -262,8 +266,13 @@ class Batches:
         return waited
 
     def close(self) -> None:
-        """Stop the loader's processes now (not when garbage collection gets to the iterator)."""
+        """Stop the loader's processes now (not when garbage collection gets to the iterator).
+
+        Persistent ones stay: their DataLoader reuses them for its next pass (the evaluator ends them).
+        """
         it, self._it, self._ahead = self._it, None, None
+        if getattr(self.loader, "persistent_workers", False):
+            return
         # torch's own shutdown (what the iterator's __del__ calls): joins or terminates the workers.
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
