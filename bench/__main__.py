@@ -21,7 +21,8 @@ from typing import Any
 
 from bench.common import BENCHMARKS_MD, RESULTS_JSON, ROOT, Result, merge_results, render_markdown
 
-# In the order of the issue; `memory` is the activation-checkpointing benchmark that came first.
+# In the order of the issue; `memory` is the activation-checkpointing benchmark that came first, and
+# `data_pipeline` (the DataLoader input pipeline) came after it.
 BENCHMARKS = [
     "engine_overhead",
     "engine_world2",
@@ -31,6 +32,7 @@ BENCHMARKS = [
     "checkpoint_io",
     "gpu",
     "memory",
+    "data_pipeline",
 ]
 FINDINGS = ROOT / "bench" / "findings.md"
 INTRO = (
