@@ -49,7 +49,9 @@ def test_event_stream(equivalence_runs: dict[int, Any], equivalence_spec: dict[s
     assert [m["step"] for m in metrics] == [5, 10], f"expected metrics at [5, 10], got {metrics}"
     for m in metrics:
         vals = m["values"]
-        assert set(vals) == {"loss", "lr", "samples_per_s", "step_time_s", "data_wait_s"}, f"unexpected {vals}"
+        assert set(vals) == {"loss", "lr", "samples_per_s", "step_time_s", "data_wait_s"}, (
+            f"unexpected {vals}"
+        )
         assert math.isfinite(vals["loss"]) and vals["samples_per_s"] > 0 and vals["step_time_s"] > 0, vals
         # The time waited for batches is part of the step's time.
         assert 0 <= vals["data_wait_s"] <= vals["step_time_s"], vals
