@@ -119,8 +119,14 @@ def data_rules(spec: JobSpec, refuse: Refuse) -> None:
     if data.pin_memory and spec.resources.device == "cpu":
         refuse(("data", "pin_memory"), "pinned memory speeds copies to a GPU; a cpu job has none", True)
     if spec.command is not None:
-        if data.model_fields_set:
-            refuse(("data",), "a command loads its own data (its files are under $DPTRAIN_DATA_ROOT)", None)
+        # Options that differ from the defaults, not fields given: the job stores its spec with every
+        # default filled in, and that stored spec must validate again (placement, the job's page).
+        if given := data.model_dump(exclude_defaults=True):
+            reason = (
+                "a command loads its own data (its files are under $DPTRAIN_DATA_ROOT); leave out "
+                + ", ".join(f"data.{name}" for name in given)
+            )
+            refuse(("data",), reason, None)
         return
     if data.eval is not None and data.train is None:
         refuse(("data", "eval"), "data.eval needs data.train", None)

@@ -71,12 +71,19 @@ def check_data_paths(*, spec: JobSpec, settings: Settings) -> None:
         if source is None:
             continue
         loc = ("body", "data", split, source.kind, "path")
-        path = (root / source.path).resolve()
-        if not path.is_relative_to(root):
+        want_file = isinstance(source, TokenFileSource)
+        try:
+            path = (root / source.path).resolve()
+            inside = path.is_relative_to(root)
+            found = path.is_file() if want_file else path.is_dir()
+        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13), no access
+            # Not the exception's text: it names the server's own paths.
+            reason = "the path cannot be resolved in the data root (a symbolic link loop, or no access)"
+            raise invalid_field(loc, reason, source.path) from None
+        if not inside:
             raise invalid_field(
                 loc, "the path leads out of the data root (through a symbolic link)", source.path
             )
-        want_file = isinstance(source, TokenFileSource)
-        if not (path.is_file() if want_file else path.is_dir()):
+        if not found:
             what = "file" if want_file else "directory"
             raise invalid_field(loc, f"no such {what} in the data root (DPTRAIN_DATA_ROOT)", source.path)

@@ -7,7 +7,8 @@ non-finite, beyond 64 bits, or nested far too deep. For each one:
 
 - the API never answers 5xx;
 - a spec the API accepts builds the engine's configuration at its world size, from what the job
-  stores (the runner writes that as the rank's spec.json);
+  stores (the runner writes that as the rank's spec.json); a command job, which the engine does
+  not run, validates again from what it stores (placement and the job's page read that);
 - a spec the engine's construction refuses is refused by the API with 422, and the other way
   round, but for the one rule the engine leaves to the server (DPTRAIN_ALLOWED_ENTRYPOINTS).
 """
@@ -25,6 +26,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from api_schemas import RECIPES, JobSpec
+from api_schemas.data import RECIPE_DATA_KINDS
 from service.config import Settings
 from workers.engine.config import configure
 from workers.engine.recipes import builder_of, plan_params
@@ -32,6 +34,12 @@ from workers.engine.recipes import builder_of, plan_params
 ALLOWED_PREFIXES = ("examples", "team")
 SCHEMA = JobSpec.model_json_schema()
 INT64 = 2**63
+# The schema of each kind of data source (`data.train`, `data.eval`), by its `kind`.
+SOURCES = {
+    d["properties"]["kind"]["const"]: d
+    for d in SCHEMA["$defs"].values()
+    if "const" in d.get("properties", {}).get("kind", {})
+}
 
 
 @dataclass(frozen=True)
@@ -56,11 +64,18 @@ def _bounds(schema: dict[str, Any], lo: int, hi: int) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+def _branches(schema: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The alternatives of a union: `anyOf`, or `oneOf` (a discriminated union such as a data source)."""
+    return schema.get("anyOf", schema.get("oneOf"))
+
+
 def valid(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[Any]:
     """Values the schema allows, small ones preferred (so batch sizes and world sizes often divide)."""
     schema = _resolve(schema, defs)
-    if "anyOf" in schema:
-        return st.one_of([valid(s, defs) for s in schema["anyOf"]])
+    if (branches := _branches(schema)) is not None:
+        return st.one_of([valid(s, defs) for s in branches])
+    if "const" in schema:
+        return st.just(schema["const"])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     kind = schema.get("type")
@@ -68,16 +83,30 @@ def valid(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[Any
         lo, hi = _bounds(schema, -INT64, INT64 - 1)
         return st.one_of(st.integers(lo, min(hi, lo + 3)), st.sampled_from([lo, hi]), st.integers(lo, hi))
     if kind == "number":
-        lo, hi = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum")
+        lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+        hi = schema.get("maximum", schema.get("exclusiveMaximum"))
+        below = "exclusiveMaximum" in schema  # e.g. momentum < 1
         floats = st.floats(
-            lo, hi, exclude_min="exclusiveMinimum" in schema, allow_nan=False, allow_infinity=False
+            lo,
+            hi,
+            exclude_min="exclusiveMinimum" in schema,
+            exclude_max=below,
+            allow_nan=False,
+            allow_infinity=False,
         )
-        whole = [n for n in (1, 2, 10) if (lo is None or n > lo) and (hi is None or n <= hi)]
+        whole = [
+            n
+            for n in (1, 2, 10)
+            if (lo is None or n > lo) and (hi is None or n < hi or n == hi and not below)
+        ]
         return floats | st.sampled_from(whole) if whole else floats  # JSON writes 2.0 as 2 too
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
         return st.none()
+    if kind == "array":
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems", 4)
+        return st.lists(valid(schema.get("items", {}), defs), min_size=lo, max_size=max(lo, min(hi, 4)))
     if kind == "string":
         if "pattern" in schema:
             lo, hi = schema.get("minLength", 1), schema.get("maxLength", 64)
@@ -99,20 +128,24 @@ def valid(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[Any
 def invalid(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[Any]:
     """Values the schema refuses: past a bound, another JSON type, non-finite, beyond 64 bits, deep."""
     schema = _resolve(schema, defs)
-    if "anyOf" in schema:
-        branches = [s for s in schema["anyOf"] if _resolve(s, defs).get("type") != "null"]
-        return st.one_of([invalid(s, defs) for s in branches])
+    if (branches := _branches(schema)) is not None:
+        return st.one_of([invalid(s, defs) for s in branches if _resolve(s, defs).get("type") != "null"])
     hostile = st.sampled_from(
         [Raw("1e999"), Raw("NaN"), Raw("-Infinity"), 2**64, -(2**70), [[[]]], Raw("[" * 5000 + "]" * 5000)]
     )
     kind = schema.get("type")
-    if "enum" in schema:
+    if "enum" in schema or "const" in schema:
         return hostile | st.sampled_from(["bogus", 1, None, True])
     if kind == "integer":
         lo, hi = _bounds(schema, -INT64, INT64 - 1)
         return hostile | st.sampled_from([lo - 1, hi + 1, True, "5", 5.0, 2.5, None, {}])
     if kind == "number":
-        edges = (schema.get("exclusiveMinimum"), schema.get("minimum", 0) - 1, schema.get("maximum", 0) + 1)
+        edges = (
+            schema.get("exclusiveMinimum"),
+            schema.get("exclusiveMaximum"),
+            schema.get("minimum", 0) - 1,
+            schema.get("maximum", 0) + 1,
+        )
         return hostile | st.sampled_from([v for v in edges if v is not None] + [True, "0.5", None, []])
     if kind == "string":
         return hostile | st.sampled_from(["", "has space", "ok\n", "x" * 300, 5, None, ["a"]])
@@ -122,13 +155,19 @@ def invalid(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[A
 
 
 def fields_of(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...] = ()) -> list[Any]:
-    """(path, schema) of every field of an object schema, nested objects' fields included."""
+    """(path, schema) of every field of an object schema, nested objects' fields included (those of
+    each object a union may be too, such as a data source's `path`)."""
     out: list[Any] = []
     for name, sub in schema.get("properties", {}).items():
         out.append(((*path, name), sub))
         resolved = _resolve(sub, defs)
-        if resolved.get("type") == "object" and "properties" in resolved:
-            out += fields_of(resolved, defs, (*path, name))
+        for option in _branches(resolved) or [resolved]:
+            option = _resolve(option, defs)
+            if (branches := _branches(option)) is not None:  # a nullable discriminated union
+                for inner in branches:
+                    out += fields_of(_resolve(inner, defs), defs, (*path, name))
+            elif option.get("type") == "object" and "properties" in option:
+                out += fields_of(option, defs, (*path, name))
     return out
 
 
@@ -137,24 +176,34 @@ def specs(draw: st.DrawFn) -> Any:
     """A submit body: a valid spec, often with one or two fields then spoilt, now and then no object."""
     defs = SCHEMA["$defs"]
     spec: dict[str, Any] = draw(valid(SCHEMA, defs))
-    spec.pop("entrypoint", None)
-    # The cross-field rules need related values to meet: exactly one of recipe and entrypoint, a
-    # recipe's own extras, allowed entrypoint modules, a batch that splits.
+    for key in ("recipe", "entrypoint", "command"):
+        spec.pop(key, None)
+    # The cross-field rules need related values to meet: exactly one of recipe, entrypoint and
+    # command, a recipe's own extras, allowed entrypoint modules, a batch that splits, data options
+    # and sources that fit the job.
     hp = spec.setdefault("hyperparameters", {})
     fields = fields_of(SCHEMA, defs)
-    if draw(st.integers(0, 3)):
+    kind = draw(st.sampled_from(["recipe"] * 5 + ["entrypoint"] * 2 + ["command"] * 2))
+    if kind == "recipe":
         spec["recipe"] = recipe = draw(st.sampled_from(sorted(RECIPES)))
         extras = RECIPES[recipe].model_json_schema()
         hp.update(draw(valid(extras, {})))
         fields += fields_of(extras, {}, ("hyperparameters",))
-    else:
-        spec.pop("recipe", None)
+    elif kind == "entrypoint":
         module = draw(st.from_regex(r"[a-z][a-z0-9_]{0,8}(\.[a-z][a-z0-9_]{0,8}){0,2}", fullmatch=True))
         prefix = draw(st.sampled_from([*ALLOWED_PREFIXES, "elsewhere"]))
         spec["entrypoint"] = f"{prefix}.{module}:{draw(st.sampled_from(['build', 'plan']))}"
+    else:
+        command = next(s for s in SCHEMA["properties"]["command"]["anyOf"] if s.get("type") == "array")
+        spec["command"] = draw(valid(command, defs))
+        if draw(st.integers(0, 3)):  # this server holds no code archive: a command's code is a 422
+            spec.pop("code", None)
+    if kind != "recipe":
         hp.update(
             draw(st.dictionaries(st.sampled_from(["features", "layers", "data"]), valid({}, {}), max_size=2))
         )
+    if draw(st.integers(0, 3)):
+        fit_data(spec, draw)
     res = spec.get("resources", {})
     world = res.get("nodes", 1) * res.get("processes_per_node", 1)
     accum = spec.get("engine", {}).get("grad_accumulation_steps", 1)
@@ -171,6 +220,39 @@ def specs(draw: st.DrawFn) -> Any:
             target = target[key]
         target[path[-1]] = draw(invalid(schema, defs))
     return draw(st.sampled_from([spec] * 9 + [[], "spec", 3, None]))
+
+
+def fit_data(spec: dict[str, Any], draw: st.DrawFn) -> None:
+    """Make the spec's `data` fit its job: the sources its recipe reads (none for a command), loader
+    options that need loader processes only with some, and eval data where a recipe evaluates."""
+    data = spec.setdefault("data", {})
+    if "command" in spec:
+        spec.pop("evaluation", None)
+        data.clear()
+        return
+    if not data.get("num_workers"):
+        data.pop("prefetch_factor", None)
+        data.pop("persistent_workers", None)
+    if spec.get("resources", {}).get("device", "cpu") == "cpu":
+        data.pop("pin_memory", None)
+    recipe = spec.get("recipe")
+    kinds = RECIPE_DATA_KINDS.get(recipe, ()) if recipe is not None else tuple(SOURCES)
+    if kinds and data.get("train") is None and draw(st.booleans()):
+        data["train"] = draw(valid(SOURCES[draw(st.sampled_from(kinds))], SCHEMA["$defs"]))
+    for split in ("train", "eval"):
+        source = data.get(split)
+        if source is None:
+            continue
+        if source["kind"] not in kinds:
+            data.pop(split)
+        elif source["kind"] == "token_file" and recipe is not None:
+            source.pop("block_size", None)  # gpt reads windows of its seq_len
+        elif source["kind"] == "token_file" and source.get("block_size") is None:
+            source["block_size"] = draw(st.integers(1, 4096))
+    if data.get("train") is None:
+        data.pop("eval", None)
+    elif recipe is not None and spec.get("evaluation") is not None and data.get("eval") is None:
+        data["eval"] = {**data["train"], "path": "eval"}
 
 
 def to_json(value: Any) -> str:
@@ -194,8 +276,15 @@ def to_json(value: Any) -> str:
 
 
 def engine_builds(spec_json: str, world_size: int) -> JobSpec | None:
-    """The engine's construction for `world_size` ranks (what a rank does first), None if it refuses."""
+    """The engine's construction for `world_size` ranks (what a rank does first), None if it refuses.
+
+    A command runs under torchrun without the engine, splitting its batches itself: its spec is only
+    validated (as placement reads it), never configured.
+    """
     try:
+        spec = JobSpec.model_validate_json(spec_json)
+        if spec.command is not None:
+            return spec
         spec = configure(spec_json, world_size)
     except ValueError:  # pydantic's ValidationError is one
         return None
