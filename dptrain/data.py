@@ -67,7 +67,10 @@ def data_path(relative: str | os.PathLike[str]) -> Path:
         raise DataPathError(
             f"data path {os.fspath(relative)!r} is absolute: name it relative to the data root"
         )
-    path = (root / rel).resolve()
+    try:
+        path = (root / rel).resolve()
+    except RuntimeError as exc:  # Python 3.11's resolve() on a symlink loop
+        raise DataPathError(f"data path {os.fspath(relative)!r} cannot be resolved: {exc}") from exc
     if not path.is_relative_to(root):
         raise DataPathError(f"data path {os.fspath(relative)!r} leads out of the data root")
     if not path.exists():
@@ -101,6 +104,8 @@ class TokenFile:
         if block_size < 1 or (stride is not None and stride < 1):
             raise ValueError(f"block_size ({block_size}) and stride ({stride}) must be at least 1")
         self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"token file {self.path.name}: not a file")
         self.dtype = dtype
         self.block_size = block_size
         self.stride = stride or block_size

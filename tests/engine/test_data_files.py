@@ -64,6 +64,8 @@ def test_bad_token_files_are_refused_with_a_reason(tmp_path: Path) -> None:
         TokenFile(short, block_size=8)
     with pytest.raises(ValueError, match="token dtype"):
         TokenFile(short, block_size=2, dtype="int8")
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        TokenFile(tmp_path, block_size=2)
 
 
 def test_a_token_past_the_vocabulary_names_its_sample(tmp_path: Path) -> None:
@@ -94,6 +96,7 @@ def test_data_paths_stay_inside_the_data_root(tmp_path: Path, monkeypatch: pytes
     _token_file(outside / "secret.bin", np.arange(10, dtype=np.uint16))
     (root / "escape.bin").symlink_to(outside / "secret.bin")
     (root / "inside.bin").symlink_to(root / "owt" / "train.bin")
+    (root / "loop.bin").symlink_to(root / "loop.bin")
     monkeypatch.delenv("DPTRAIN_DATA_ROOT", raising=False)
     with pytest.raises(DataPathError, match="no data root"):
         data_path("owt/train.bin")
@@ -104,6 +107,7 @@ def test_data_paths_stay_inside_the_data_root(tmp_path: Path, monkeypatch: pytes
         ("escape.bin", "leads out of the data root"),
         ("../outside/secret.bin", "leads out of the data root"),
         (str(outside / "secret.bin"), "is absolute"),
+        ("loop.bin", "cannot be resolved"),
     ]:
         with pytest.raises(DataPathError, match=why):
             data_path(bad)
