@@ -5,14 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from api_schemas import JobSpec
 from dptrain.data import Stream
 from dptrain.plan import Plan
 from workers.engine import distributed as D
 from workers.engine.data import GlobalBatchSampler, batch_source, mix_seed
-from workers.engine.loader import Batches, loader_options, map_loader, step_batch_sampler, stream_loader
-from workers.engine.streams import StreamPosition
+from workers.engine.loader import (
+    Batches,
+    load_failure,
+    loader_options,
+    map_loader,
+    step_batch_sampler,
+    stream_loader,
+)
+from workers.engine.streams import StreamBatches, StreamPosition
 
 # Seeds the loaders' own generators (their processes' base seed), apart from every other stream id.
 _LOADER_STREAM = 1 << 37
@@ -52,9 +60,8 @@ class DataPipe:
         options = loader_options(self.spec.data, self.device, seed=mix_seed(t.seed, _LOADER_STREAM + first))
         rank, world = self.env.rank, self.env.world_size
         if self.stream is not None:
-            loader = stream_loader(
+            stream = StreamBatches(
                 self.stream,
-                self.plan.collate_fn,
                 seed=t.seed,
                 global_batch_size=t.global_batch_size,
                 rank=rank,
@@ -62,8 +69,10 @@ class DataPipe:
                 first=first,
                 stop=stop,
                 start=self.position,
-                options=options,
+                collate_fn=self.plan.collate_fn or default_collate,
+                failure=load_failure,
             )
+            loader = stream_loader(stream, options)
         else:
             assert self.sampler is not None
             indices = step_batch_sampler(self.sampler, rank=rank, world_size=world, first=first, stop=stop)

@@ -24,10 +24,9 @@ import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
 from api_schemas.data import DataSpec
-from dptrain.data import Stream
 from workers.engine.conventions import to_device
 from workers.engine.data import GlobalBatchSampler
-from workers.engine.streams import StreamBatch, StreamBatches, StreamPosition
+from workers.engine.streams import StreamBatch, StreamBatches
 
 CPU = torch.device("cpu")
 
@@ -174,32 +173,8 @@ def fixed_batch_sampler(batches: Sequence[torch.Tensor]) -> Sampler[list[int]]:
     return _FixedBatches(batches)
 
 
-def stream_loader(
-    stream: Stream,
-    collate_fn: Callable[[list[Any]], Any] | None,
-    *,
-    seed: int,
-    global_batch_size: int,
-    rank: int,
-    world_size: int,
-    first: int,
-    stop: int,
-    start: StreamPosition,
-    options: dict[str, Any],
-) -> DataLoader[Any]:
-    """A DataLoader over a stream's batches for steps first..stop-1, starting at `start`."""
-    batches = StreamBatches(
-        stream,
-        seed=seed,
-        global_batch_size=global_batch_size,
-        rank=rank,
-        world_size=world_size,
-        first=first,
-        stop=stop,
-        start=start,
-        collate_fn=collate_fn or default_collate,
-        failure=load_failure,
-    )
+def stream_loader(batches: StreamBatches, options: dict[str, Any]) -> DataLoader[Any]:
+    """A DataLoader over a stream's batches (each already collated, with its position)."""
     return DataLoader(batches, batch_size=None, **options)
 
 
