@@ -61,3 +61,16 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
                 bn: nn.Module = m
                 bn.__class__ = CpuSyncBatchNorm
     return model
+
+
+def average_buffers(buffers: list[torch.Tensor], world_size: int) -> None:
+    """Replace every rank's `buffers` by their mean over ranks (engine.buffers "average": one allreduce)."""
+    if not buffers:
+        return  # no BatchNorm: no extra collective on the hot path
+    flat = torch.cat([b.detach().reshape(-1).double() for b in buffers])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= world_size
+    offset = 0
+    for b in buffers:
+        b.copy_(flat[offset : offset + b.numel()].view_as(b))
+        offset += b.numel()

@@ -6,18 +6,16 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from api_schemas import JobSpec
 from workers.engine import distributed as D
-from workers.engine.batchnorm import convert_sync_batchnorm
+from workers.engine.batchnorm import average_buffers, convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.compile import compile_model
 from workers.engine.conventions import check_loss, loss_and_outputs, make_optimizer, split_batch
-from workers.engine.data import GlobalBatchSampler
 from workers.engine.datapipe import DataPipe
 from workers.engine.evaluation import evaluator_for
 from workers.engine.events import EventWriter, FinishedEvent, MetricsEvent, StartedEvent
@@ -60,6 +58,8 @@ class Trainer:
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
         # How every rank reads its batches (a sampler over a map-style dataset, or a stream).
         self.data = DataPipe(spec=spec, plan=plan, env=env, device=device)
+        # A map-style dataset as `batch(indices, device)` and its sampler, for stepping without a loader.
+        self.dataset, self.sampler = self.data.dataset, self.data.sampler
         self.sharded = list(plan.sharded)
         params = dict(self.model.named_parameters())
         missing = [n for n in self.sharded if n not in params]
@@ -234,18 +234,6 @@ class Trainer:
             parts = checkpoint_activations(self.model, self.checkpoint_modules)
             print(f"activation checkpointing: {', '.join(parts) or 'nothing to checkpoint'}")
 
-    def _average_buffers(self) -> None:
-        """Replace every rank's floating-point buffers by their mean over ranks (one coalesced allreduce)."""
-        if not self.averaged_buffers:
-            return  # no BatchNorm: no extra collective on the hot path
-        flat = torch.cat([b.detach().reshape(-1).double() for b in self.averaged_buffers])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= self.env.world_size
-        offset = 0
-        for b in self.averaged_buffers:
-            b.copy_(flat[offset : offset + b.numel()].view_as(b))
-            offset += b.numel()
-
     # ---- loop ----------------------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -257,19 +245,9 @@ class Trainer:
         with self._autocast():  # forward + loss only; backward runs in the forward's dtypes
             return check_loss(loss_and_outputs(self.plan, self.train_model, batch)[0])
 
-    @property
-    def dataset(self) -> Any:
-        """The plan's map-style dataset as `batch(indices, device)` (what `_step` reads without a loader)."""
-        return self.data.dataset
-
-    @property
-    def sampler(self) -> GlobalBatchSampler:
-        """The global batch sampler of a map-style dataset."""
-        assert self.data.sampler is not None, "a stream has no sampler"
-        return self.data.sampler
-
     def _step(self, it: int, batch: Any = None) -> torch.Tensor:
         if batch is None:  # driven step by step (tests, benchmarks): gather in place
+            assert self.sampler is not None, "a stream's batches come from its loader"
             idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
             batch = self.dataset.batch(idx, self.device)
         # Per-rank MEAN loss; DDP divides the summed gradients by world size (data_parallel_model's
@@ -316,7 +294,7 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._average_buffers()
+        average_buffers(self.averaged_buffers, self.env.world_size)
         return local_loss
 
     def train(self) -> None:
