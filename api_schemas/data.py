@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictBool, ValidationError, WithJsonSchema
@@ -32,6 +34,30 @@ def _data_path(value: str) -> str:
             "letter, digit or '_'"
         )
     return value
+
+
+class OutsideDataRoot(ValueError):
+    """A data path that resolves, through its links, to a place outside the data root."""
+
+
+class UnresolvableDataPath(ValueError):
+    """A data path whose links cannot be followed (a loop, no access)."""
+
+
+def resolve_in_root(root: Path, relative: str | os.PathLike[str]) -> Path:
+    """`relative` under `root` (itself resolved) with every link followed; the one containment rule
+    the API (at submit) and the ranks (dptrain.data.data_path) both apply.
+
+    Raises OutsideDataRoot when the result leaves `root`, UnresolvableDataPath when it cannot be
+    resolved (Python 3.11's resolve() raises RuntimeError on a link loop).
+    """
+    try:
+        path = (root / relative).resolve()
+    except (OSError, RuntimeError) as exc:
+        raise UnresolvableDataPath(str(exc)) from exc
+    if not path.is_relative_to(root):
+        raise OutsideDataRoot(f"{os.fspath(relative)!r} leads out of the data root")
+    return path
 
 
 DataPath = Annotated[

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from api_schemas.data import OutsideDataRoot, UnresolvableDataPath, resolve_in_root
 from dptrain._env import DATA_ROOT_ENV
 
 __all__ = ["DataPathError", "Shards", "Stream", "TokenFile", "data_path"]
@@ -68,11 +69,11 @@ def data_path(relative: str | os.PathLike[str]) -> Path:
             f"data path {os.fspath(relative)!r} is absolute: name it relative to the data root"
         )
     try:
-        path = (root / rel).resolve()
-    except RuntimeError as exc:  # Python 3.11's resolve() on a symlink loop
+        path = resolve_in_root(root, rel)
+    except UnresolvableDataPath as exc:
         raise DataPathError(f"data path {os.fspath(relative)!r} cannot be resolved: {exc}") from exc
-    if not path.is_relative_to(root):
-        raise DataPathError(f"data path {os.fspath(relative)!r} leads out of the data root")
+    except OutsideDataRoot as exc:
+        raise DataPathError(f"data path {exc}") from exc
     if not path.exists():
         raise FileNotFoundError(
             f"data path {os.fspath(relative)!r}: no such file or directory in the data root"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from api_schemas import JobSpec, entrypoint_allowed
-from api_schemas.data import TokenFileSource
+from api_schemas.data import OutsideDataRoot, TokenFileSource, UnresolvableDataPath, resolve_in_root
 from service.code import repository as code_repository
 from service.code import storage
 from service.code.service import refuse_unless_may_run_code
@@ -73,17 +73,15 @@ def check_data_paths(*, spec: JobSpec, settings: Settings) -> None:
         loc = ("body", "data", split, source.kind, "path")
         want_file = isinstance(source, TokenFileSource)
         try:
-            path = (root / source.path).resolve()
-            inside = path.is_relative_to(root)
+            path = resolve_in_root(root, source.path)
             found = path.is_file() if want_file else path.is_dir()
-        except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13), no access
+        except OutsideDataRoot:
+            reason = "the path leads out of the data root (through a symbolic link)"
+            raise invalid_field(loc, reason, source.path) from None
+        except (UnresolvableDataPath, OSError):
             # Not the exception's text: it names the server's own paths.
             reason = "the path cannot be resolved in the data root (a symbolic link loop, or no access)"
             raise invalid_field(loc, reason, source.path) from None
-        if not inside:
-            raise invalid_field(
-                loc, "the path leads out of the data root (through a symbolic link)", source.path
-            )
         if not found:
             what = "file" if want_file else "directory"
             raise invalid_field(loc, f"no such {what} in the data root (DPTRAIN_DATA_ROOT)", source.path)

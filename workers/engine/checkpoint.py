@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, cast
 
 from workers.engine.events import CheckpointEvent
-from workers.engine.hashed_file import HashedFileWriter, sha256_file, xxh128_file
+from workers.engine.hashed_file import HashedFileWriter, fsync_dir, sha256_file, xxh128_file
 
 # ASCII digits only (`\d` takes any Unicode digit), matched whole (`$` also matches before a newline).
 _NAME = re.compile(r"ckpt-([0-9]{9})\.pt")
@@ -110,15 +110,6 @@ def _without_zip_crc32() -> Iterator[None]:
         yield
     finally:
         set_(before)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable; without it a power cut can lose the new directory entry.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -274,7 +265,7 @@ class CheckpointManager:
         if best:
             # After the file: the marker never names a checkpoint that is not there yet.
             _write_atomic(best_marker(self.directory), f"{step}\n".encode())
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return SavedCheckpoint(
             step=step,
             path=path,
@@ -321,7 +312,7 @@ class CheckpointManager:
                 sidecar.unlink(missing_ok=True)
             deleted.append(path)
         if deleted:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return deleted
 
     def _remove(self, path: Path) -> None:

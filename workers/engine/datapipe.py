@@ -33,8 +33,9 @@ class DataPipe:
         self.spec, self.plan, self.env, self.device = spec, plan, env, device
         t = spec.hyperparameters
         self.stream: Stream | None = plan.dataset if isinstance(plan.dataset, Stream) else None
-        # A stream's position at the current ITER (saved in checkpoints); unused for map-style data.
+        # A stream's position where training (re)starts; the running one is the current loader's.
         self.position = StreamPosition()
+        self._batches: Batches | None = None
         self.dataset: Any = None
         self.sampler: GlobalBatchSampler | None = None
         if self.stream is None:
@@ -43,7 +44,10 @@ class DataPipe:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume the data: a stream's position; nothing for map-style data."""
-        return {"data": {"stream": self.position.state()}} if self.stream is not None else {}
+        if self.stream is None:
+            return {}
+        running = self._batches.position if self._batches is not None else None
+        return {"data": {"stream": running if running is not None else self.position.state()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a stream's position from a checkpoint's state."""
@@ -77,9 +81,6 @@ class DataPipe:
             assert self.sampler is not None
             indices = step_batch_sampler(self.sampler, rank=rank, world_size=world, first=first, stop=stop)
             loader = map_loader(self.plan.dataset, self.plan.collate_fn, indices, options)
-        return Batches(loader, device=self.device, rank=rank, first=first)
-
-    def taken(self, batches: Batches) -> None:
-        """Note the stream position after the batch just taken (the next ITER's start)."""
-        if batches.position is not None:
-            self.position = StreamPosition.from_state(batches.position)
+        start = self.position.state() if self.stream is not None else None
+        self._batches = Batches(loader, device=self.device, rank=rank, first=first, position=start)
+        return self._batches

@@ -29,7 +29,7 @@ from dptrain.plan import Plan
 from workers.engine import distributed as D
 from workers.engine.conventions import batch_size, check_loss, loss_and_outputs
 from workers.engine.data import batch_source
-from workers.engine.loader import Batches, fixed_batch_sampler, loader_options, map_loader
+from workers.engine.loader import Batches, fixed_batch_sampler, loader_options, map_loader, shutdown_workers
 
 LOSS = "eval/loss"
 
@@ -141,10 +141,7 @@ class Evaluator:
 
     def close(self) -> None:
         """End persistent loader processes (the last evaluation is over)."""
-        iterator = getattr(self.loader, "_iterator", None)  # DataLoader keeps it only for persistent workers
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        shutdown_workers(getattr(self.loader, "_iterator", None))  # kept only for persistent workers
 
     def _reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(totals)

@@ -174,6 +174,15 @@ class _Hash(Protocol):
     def hexdigest(self) -> str: ...
 
 
+def fsync_dir(path: Path) -> None:
+    """Make the renames into directory `path` durable (without it a power cut can lose a new entry)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
     """(hex sha256, size in bytes) of a file."""
     return _hash_file(path, hashlib.sha256())

@@ -196,12 +196,14 @@ class Batches:
         first: int,
         every: int = 1,
         label: str = "step",
+        position: dict[str, int] | None = None,
     ) -> None:
         self.loader, self.device, self.rank, self.label = loader, device, rank, label
         # The ITER (an evaluation: the eval batch) of the next batch the loader gives, and the stride.
         self.step, self.every = first, every
         self.waited = 0.0  # seconds spent waiting for the loader, since the last `take_waited()`
-        self.position: dict[str, int] | None = None  # a stream's position after the last batch taken
+        # A stream's position after the last batch taken (before any: where it starts); None otherwise.
+        self.position = position
         self._it: Iterator[Any] | None = iter(loader)
         self._ahead: tuple[Any, dict[str, int] | None] | None = None
 
@@ -224,7 +226,9 @@ class Batches:
     def take(self) -> Any:
         """The next batch, on the device."""
         ahead, self._ahead = self._ahead, None
-        batch, self.position = ahead if ahead is not None else self._fetch()
+        batch, position = ahead if ahead is not None else self._fetch()
+        if position is not None:
+            self.position = position
         return batch
 
     def prefetch(self) -> None:
@@ -246,9 +250,13 @@ class Batches:
         Persistent ones stay: their DataLoader reuses them for its next pass (the evaluator ends them).
         """
         it, self._it, self._ahead = self._it, None, None
-        if getattr(self.loader, "persistent_workers", False):
-            return
-        # torch's own shutdown (what the iterator's __del__ calls): joins or terminates the workers.
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        if not getattr(self.loader, "persistent_workers", False):
+            shutdown_workers(it)
+
+
+def shutdown_workers(iterator: Any) -> None:
+    """End a DataLoader iterator's processes now (a no-op for an iterator without any)."""
+    # torch's own shutdown (what the iterator's __del__ calls): joins or terminates the workers.
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()

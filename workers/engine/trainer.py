@@ -344,7 +344,6 @@ class Trainer:
             if self.fault is not None:
                 self.fault.maybe_fire(self.env.rank, self.iter)
             batch = batches.take()
-            self.data.taken(batches)
             loss = self._step(self.iter, batch)
             # The step's work is queued (on a GPU it runs on): fetch and copy the next batch meanwhile.
             batches.prefetch()
