@@ -6,6 +6,7 @@
 (() => {
   const d = window.dptrain;
   const { api, streamEvents, every, el, ago, jobDuration, bytes, fmt, badge, progressBar, TERMINAL } = d;
+  const { EVAL_PREFIX, evalOrder, makeChart, dropChart, appendPoints, alignSteps, spanning } = window.dptrainCharts;
 
   const CHARTS = [
     { metric: "loss", title: "Loss", color: "#2563eb" },
@@ -14,36 +15,7 @@
     { metric: "data_wait_s", title: "Data wait (s per step)", color: "#b45309" },
   ];
   // Every `eval/<name>` series a job reports shares one chart, `eval/loss` first, one colour each.
-  const EVAL_PREFIX = "eval/";
   const EVAL_COLORS = ["#dc2626", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777"];
-
-  function evalOrder(a, b) {
-    return (b === "eval/loss") - (a === "eval/loss") || a.localeCompare(b);
-  }
-
-  const compactFormat = new Intl.NumberFormat("en", { notation: "compact", maximumSignificantDigits: 3 });
-
-  function compact(v) {
-    return v === null || v === undefined ? "" : Math.abs(v) >= 1000 ? compactFormat.format(v) : String(+v.toPrecision(3));
-  }
-
-  // lines: [{ label, color, points }]; `points` marks each value (sparse series: evaluations), and a
-  // line spans the steps where only other series have a value. xRange: uPlot's x scale range function.
-  function makeChart(container, title, lines, xRange = undefined) {
-    const width = Math.max(320, container.clientWidth - 8);
-    // eslint-disable-next-line no-undef
-    const chart = new uPlot({
-      width, height: 220, title,
-      scales: { x: { time: false, range: xRange } },
-      // Compact tick labels (12k, 3.4M) so large throughputs are not clipped at the chart's edge.
-      axes: [{ label: "step" }, { size: 60, values: (u, ticks) => ticks.map(compact) }],
-      series: [{ label: "step" }, ...lines.map((l) => ({
-        label: l.label, stroke: l.color, width: 2, spanGaps: true, points: { show: !!l.points, size: 6, fill: l.color },
-      }))],
-    }, [[], ...lines.map(() => [])], container);
-    d.currentScope().charts.push(chart);
-    return chart;
-  }
 
   function jobDetail(view, jobId) {
     const s = d.currentScope();
@@ -136,49 +108,27 @@
     }
 
     function addPoints(newSeries) {
-      for (const [name, points] of Object.entries(newSeries)) {
-        const data = (series[name] ||= [[], []]);
-        for (const [step, value] of points) {
-          if (data[0].length && step <= data[0][data[0].length - 1]) continue; // already have it
-          data[0].push(step);
-          data[1].push(value);
-          lastStep = Math.max(lastStep, step);
-        }
-        if (charts[name]) charts[name].setData(data);
-      }
-      // New loss points widen the evaluation chart's steps too (lossSteps).
+      lastStep = Math.max(lastStep, appendPoints(series, newSeries));
+      for (const name of Object.keys(newSeries)) if (charts[name]) charts[name].setData(series[name]);
+      // New loss points widen the evaluation chart's steps too (spanning the loss steps).
       if (Object.keys(newSeries).some((name) => name.startsWith(EVAL_PREFIX) || (name === "loss" && evalChart))) drawEval();
     }
 
     // The evaluation chart spans the loss chart's steps, so each evaluation lines up with the training
     // beside it.
-    function lossSteps(u, min, max) {
-      const steps = series.loss ? series.loss[0] : [];
-      if (!steps.length) return [min, max];
-      return [Math.min(min, steps[0]), Math.max(max, steps[steps.length - 1])];
-    }
+    const lossSteps = spanning(() => (series.loss ? series.loss[0] : []));
 
     function drawEval() {
       const names = Object.keys(series).filter((n) => n.startsWith(EVAL_PREFIX)).sort(evalOrder);
       if (evalChart === null || evalChart.names.join("\n") !== names.join("\n")) {
         // A series uPlot was not built with: build the chart again (a job's eval names rarely change).
-        if (evalChart !== null) {
-          const all = s.charts;
-          all.splice(all.indexOf(evalChart.chart), 1);
-          evalChart.chart.destroy();
-        }
+        if (evalChart !== null) dropChart(evalChart.chart);
         evalEmpty.hidden = true;
         evalBody.hidden = false;
         const lines = names.map((n, i) => ({ label: n, color: EVAL_COLORS[i % EVAL_COLORS.length], points: true }));
         evalChart = { names, chart: makeChart(evalBody, "Evaluation", lines, lossSteps) };
       }
-      // uPlot takes one x array for all series: the union of their steps, null where one has no value.
-      const steps = [...new Set(names.flatMap((n) => series[n][0]))].sort((a, b) => a - b);
-      const columns = names.map((n) => {
-        const at = new Map(series[n][0].map((step, i) => [step, series[n][1][i]]));
-        return steps.map((step) => (at.has(step) ? at.get(step) : null));
-      });
-      evalChart.chart.setData([steps, ...columns]);
+      evalChart.chart.setData(alignSteps(names.map((n) => series[n])));
     }
 
     async function loadTimeline() {
