@@ -5,6 +5,10 @@
   const { api, every, el, ago, duration, jobDuration, badge, progressBar, STATUSES, LIST_POLL_MS, WORKERS_POLL_MS } =
     window.dptrain;
 
+  // The jobs picked for comparing: kept while the page lives, so that paging and filtering the list
+  // does not lose them (a comparison may take jobs from different pages).
+  const selected = new Set();
+
   function labelChips(labels) {
     return Object.entries(labels || {}).map(([k, v]) => el("span", { class: "chip", text: `${k}=${v}` }));
   }
@@ -34,11 +38,15 @@
     const error = el("p", { class: "error", role: "alert" });
     const older = el("button", { id: "older", text: "Older →", disabled: true });
     const newer = el("button", { id: "newer", text: "← Newer", disabled: !cursors.length });
+    const compare = el("button", { id: "compare", class: "primary", text: "Compare", disabled: true, title: "pick two or more jobs to compare",
+      onclick: () => { location.hash = `#/compare?ids=${[...selected].join(",")}`; } });
+    const clear = el("button", { id: "compare-clear", class: "link", text: "clear", hidden: true,
+      onclick: () => { selected.clear(); render(); } });
     view.append(el("section", { class: "card" },
       el("div", { class: "toolbar" }, el("h2", { text: "Jobs", style: "margin:0" }), statusSelect, labelInput,
-        el("button", { text: "Filter", onclick: apply })),
+        el("button", { text: "Filter", onclick: apply }), el("span", { class: "spacer" }), clear, compare),
       el("table", { id: "jobs" },
-        el("thead", {}, el("tr", {}, ["Status", "Progress", "Name", "Owner", "Labels", "Age", "Duration"].map((h) => el("th", { text: h })))),
+        el("thead", {}, el("tr", {}, [el("th", { class: "select", "aria-label": "select" }), ...["Status", "Progress", "Name", "Owner", "Labels", "Age", "Duration"].map((h) => el("th", { text: h }))])),
         tbody),
       empty, error,
       el("div", { class: "pager" }, newer, older)));
@@ -54,11 +62,26 @@
     newer.addEventListener("click", () => go(cursors.slice(0, -1)));
     older.addEventListener("click", () => next && go([...cursors, next]));
 
+    // One checkbox per job, reused by every render of this list: it redraws each poll, and a click
+    // that lands while it does still reaches the same box.
+    const boxes = new Map();
+    function checkbox(id) {
+      if (!boxes.has(id)) {
+        boxes.set(id, el("input", { type: "checkbox", class: "pick", "aria-label": "compare",
+          onchange: (ev) => { if (ev.target.checked) selected.add(id); else selected.delete(id); render(); } }));
+      }
+      const box = boxes.get(id);
+      box.checked = selected.has(id);
+      return box;
+    }
+
     function render() {
       tbody.replaceChildren(...jobs.map((j) => el("tr", {
         class: "clickable", "data-job-id": j.id,
         onclick: () => { location.hash = `#/jobs/${j.id}`; },
       },
+      // Ticking a box picks the job; it does not open it.
+      el("td", { class: "select", onclick: (ev) => ev.stopPropagation() }, checkbox(j.id)),
       el("td", {}, badge(j.status)),
       el("td", {}, progressBar(j.progress)),
       el("td", {}, el("a", { href: `#/jobs/${j.id}`, text: j.name })),
@@ -67,6 +90,9 @@
       el("td", { text: ago(j.created_at), title: j.created_at }),
       el("td", { text: jobDuration(j) }))));
       empty.hidden = jobs.length > 0;
+      compare.textContent = selected.size ? `Compare (${selected.size})` : "Compare";
+      compare.disabled = selected.size < 2;
+      clear.hidden = !selected.size;
       older.disabled = !next;
     }
 
