@@ -4,11 +4,13 @@ The stack has one worker with one slot, which makes the story deterministic: a l
 (running), a short job submitted after it waits (queued), the long job is cancelled from its detail page,
 and the short one then runs to `succeeded` while the list page watches. The short one evaluates and keeps
 its best checkpoint: its page draws the evaluation chart and badges the best checkpoint, where the long
-one's says it has no evaluation. Screenshots go to test-reports/.
+one's says it has no evaluation. A second test compares two runs that differ in their learning rate.
+Screenshots go to test-reports/.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ REPORTS = ROOT / "test-reports"
 LOSS_RGB = (37, 99, 235)  # the loss series' stroke, #2563eb in detail.js
 EVAL_LOSS_RGB = (220, 38, 38)  # eval/loss, the evaluation chart's first series: #dc2626 in detail.js
 DATA_WAIT_RGB = (180, 83, 9)  # data_wait_s, #b45309 in detail.js
+COMPARE_RGB = [(37, 99, 235), (220, 38, 38)]  # the first two jobs' colours in compare.js: #2563eb, #dc2626
 
 # Counts canvas pixels of one colour: the series line, not the axes and grid uPlot also draws.
 _COUNT_PIXELS = """([selector, rgb]) => {
@@ -74,9 +77,11 @@ def _submit(stack: Stack, name: str, *, evaluate: bool = False, **hp: Any) -> st
     return str(r.json()["id"])
 
 
-def _expect_status(stack: Stack, page: Page, job_id: str, status: str, timeout_ms: float) -> None:
+def _expect_status(
+    stack: Stack, page: Page, job_id: str, status: str, timeout_ms: float, row: str = "tr"
+) -> None:
     """Wait for the status badge of `job_id` on the page; on failure say what the job and processes said."""
-    badge = page.locator(f'tr[data-job-id="{job_id}"] .badge, .head .badge').first
+    badge = page.locator(f'{row}[data-job-id="{job_id}"] .badge, .head .badge').first
     try:
         expect(badge).to_have_text(status, timeout=timeout_ms)
     except AssertionError as exc:
@@ -184,4 +189,56 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     page.click("#signout")
     expect(page.locator("#signin-view")).to_be_visible()
     expect(page.locator("#view")).to_be_hidden()
+    assert errors == [], f"expected no script errors in the page, got {errors}"
+
+
+def test_compare_two_runs_in_the_browser(stack: Stack, browser: Browser) -> None:
+    REPORTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1300, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(str(stack.http.base_url))
+    page.fill("#token", ADMIN_TOKEN)
+    page.click("button[type=submit]")
+
+    # Two runs that differ in their learning rate only (and name); the worker runs one after the other.
+    low = _submit(stack, "ui-lr-low", evaluate=True, lr=0.05)
+    high = _submit(stack, "ui-lr-high", evaluate=True, lr=0.1)
+    compare = page.locator("#compare")
+    page.locator(f'tr[data-job-id="{low}"] input.pick').check()
+    expect(compare).to_be_disabled()
+    page.locator(f'tr[data-job-id="{high}"] input.pick').check()
+    expect(compare).to_have_text("Compare (2)")
+    expect(page.locator(f'tr[data-job-id="{low}"] input.pick')).to_be_checked()  # kept across redraws
+    page.screenshot(path=str(REPORTS / "dashboard-compare-pick.png"))
+    compare.click()
+    expect(page).to_have_url(re.compile(re.escape(f"#/compare?ids={low},{high}") + "$"))
+
+    # Opened while the second one still waits for the slot, the page follows both to the end: the
+    # loss of each is drawn as it comes.
+    loss = page.locator('[data-chart="compare-loss"]')
+    for job_id in (low, high):
+        _expect_status(stack, page, job_id, "succeeded", 180_000, row="#compare-jobs tr")
+    expect(loss).to_have_attribute("data-series", "2")
+
+    # The address reloads to the same comparison: a loss line per job and, evaluation being the first
+    # figure offered, an eval/loss line per job.
+    page.reload()
+    expect(loss).to_have_attribute("data-series", "2")
+    expect(loss.locator(".u-legend .u-series")).to_have_count(3)  # step, and one per job
+    expect(loss.locator(".u-legend")).to_contain_text(f"ui-lr-low ({low[:8]})")
+    expect(loss.locator(".u-legend")).to_contain_text(f"ui-lr-high ({high[:8]})")
+    expect(page.locator("#compare-metric")).to_have_value("eval/loss")
+    expect(page.locator('[data-chart="compare-metric"]')).to_have_attribute("data-series", "2")
+    for i, rgb in enumerate(COMPARE_RGB):
+        _wait_for_line(page, '[data-chart="compare-loss"]', f"compared job {i}'s loss", rgb=rgb)
+        _wait_for_line(page, '[data-chart="compare-metric"]', f"compared job {i}'s eval/loss", rgb=rgb)
+
+    # What changed: the learning rate, with each job's value; what did not is only counted.
+    lr_row = page.locator('#compare-diff tr[data-path="hyperparameters.lr"]')
+    expect(lr_row.locator("td")).to_have_text(["hyperparameters.lr", "0.05", "0.1"])
+    expect(page.locator('#compare-diff tr[data-path="hyperparameters.steps"]')).to_have_count(0)
+    expect(page.locator("#compare-diff tbody tr")).to_have_count(1)
+    expect(page.locator("#compare-same")).to_contain_text("settings identical in all 2 jobs")
+    page.screenshot(path=str(REPORTS / "dashboard-compare.png"), full_page=True)
     assert errors == [], f"expected no script errors in the page, got {errors}"
