@@ -241,4 +241,8 @@ def test_compare_two_runs_in_the_browser(stack: Stack, browser: Browser) -> None
     expect(page.locator("#compare-diff tbody tr")).to_have_count(1)
     expect(page.locator("#compare-same")).to_contain_text("settings identical in all 2 jobs")
     page.screenshot(path=str(REPORTS / "dashboard-compare.png"), full_page=True)
+    # One job is no comparison: the page says what to do instead of drawing one line.
+    page.goto(f"{stack.http.base_url}#/compare?ids={low}")
+    expect(page.locator("#view")).to_contain_text("Pick two or more jobs")
+    expect(page.locator('[data-chart="compare-loss"]')).to_have_count(0)
     assert errors == [], f"expected no script errors in the page, got {errors}"

@@ -70,19 +70,18 @@
     const diffHead = el("tr");
     const diffBody = el("tbody");
     const sameNote = el("p", { class: "muted", id: "compare-same" });
+    view.append(el("section", { class: "card" }, el("h1", { class: "title", text: "Compare runs" }), problem,
+      el("table", {}, el("thead", {}, el("tr", {}, ["Job", "Status", "Progress"].map((h) => el("th", { text: h })))), jobsBody)));
+    if (ids.length < 2) {
+      problem.textContent = "Pick two or more jobs in the job list to compare them.";
+      return;
+    }
     view.append(
-      el("section", { class: "card" }, el("h1", { class: "title", text: "Compare runs" }), problem,
-        el("table", {}, el("thead", {}, el("tr", {}, ["Job", "Status", "Progress"].map((h) => el("th", { text: h })))), jobsBody)),
       // One chart a row, not two side by side as on a job's page: a line per job wants the width, and
       // the metric card appearing later must not narrow a chart already drawn.
       el("section", { class: "card" }, lossBody), metricCard,
       el("section", { class: "card" }, el("h2", { text: "What changed" }),
         el("table", { id: "compare-diff" }, el("thead", {}, diffHead), diffBody), sameNote));
-
-    if (ids.length < 2) {
-      problem.textContent = "Pick two or more jobs in the job list to compare them.";
-      return;
-    }
     if (ids.length > COLORS.length) problem.textContent = `Comparing the first ${COLORS.length} of ${ids.length} jobs.`;
     // entry: { id, color, job, etag, series: name -> [steps[], values[]], lastStep }
     let entries = ids.slice(0, COLORS.length).map((id, i) => ({ id, color: COLORS[i], job: null, etag: null, series: {}, lastStep: -1 }));
