@@ -300,6 +300,17 @@ class Job(BaseModel):
         None,
         description="Why a queued job has not started yet, e.g. `waiting for 2 nodes with 2 free cpu slots`.",
     )
+    unplaceable: bool = Field(
+        False,
+        description="True while the job is queued and no set of live nodes of its device kind could ever "
+        "hold it (fewer than `nodes` of them have `processes_per_node` slots): it waits until such nodes "
+        "join. Judged at submit and again by every placement round; false once it is not queued.",
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What the submitter should know now, in words. While `unplaceable`: one warning naming "
+        "what the job needs and what the live nodes offer (the same text as `queued_reason`).",
+    )
 
 
 class JobList(BaseModel):

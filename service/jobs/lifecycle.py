@@ -103,6 +103,7 @@ def claim(session: Session, *, job_id: str, worker: str, reason: str | None = No
             "worker": worker,
             "error": None,
             "queued_reason": None,
+            "unplaceable": False,
         },
     )
 

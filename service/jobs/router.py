@@ -85,9 +85,11 @@ async def submit_job(
         policy.check_user_code(session, user=user, spec=spec, settings=settings)
         policy.check_data_paths(spec=spec, settings=settings)
         if idempotency_key is None:
-            job, created = service.submit(session, user=user, spec=spec), True
+            job, created = service.submit(session, user=user, spec=spec, settings=settings), True
         else:
-            job, created = service.submit_once(session, user=user, spec=spec, key=idempotency_key)
+            job, created = service.submit_once(
+                session, user=user, spec=spec, key=idempotency_key, settings=settings
+            )
         if created:
             after_commit(session, scheduler.kick)
         return job, created

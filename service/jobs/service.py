@@ -23,12 +23,15 @@ from api_schemas import (
     Timeline,
     Transition,
 )
+from service.config import Settings
 from service.errors import Conflict, InvalidTransition, NotFound
 from service.etag import etag_of_version
 from service.jobs import lifecycle, repository, stored
 from service.jobs.stored import INVALID_SPEC
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
+from service.scheduling import service as scheduling
+from service.scheduling.placement import Pending
 
 
 def _visible_owner(user: User) -> int | None:
@@ -47,6 +50,8 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
     error = stored.shown_error(job.error)
     if error is None and problem is not None:
         error = JobError(type=INVALID_SPEC, message=problem)
+    queued = job.status == JobStatus.QUEUED.value
+    unplaceable = queued and job.unplaceable
     fields: dict[str, Any] = dict(
         id=job.id,
         name=job.name,
@@ -62,7 +67,10 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
         cancel_requested=job.cancel_requested,
         error=error,
         latest_metrics=stored.shown_metrics(job.latest_metrics),
-        queued_reason=job.queued_reason if job.status == JobStatus.QUEUED.value else None,
+        queued_reason=job.queued_reason if queued else None,
+        unplaceable=unplaceable,
+        # The reason of an unplaceable job is placement.never_fits's sentence: the warning itself.
+        warnings=[job.queued_reason] if unplaceable and job.queued_reason else [],
     )
     try:
         return Job(**fields)
@@ -74,14 +82,27 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
         return Job.model_construct(**fields)
 
 
-def _row_values(*, user: User, spec: JobSpec) -> dict[str, Any]:
+def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
     stored = spec.model_dump(mode="json")
     # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
     # shows is exactly what ran, whatever later versions choose as defaults.
     if (params := spec.recipe_params()) is not None:
         stored["hyperparameters"].update(params.model_dump(mode="json"))
+    job_id = uuid.uuid4().hex
+    never = None
+    if settings is not None:
+        # Said in the submit's answer at once, rather than only after the next placement round.
+        needs = spec.resources
+        pending = Pending(
+            job_id=job_id,
+            owner_id=user.id,
+            device=needs.device,
+            nodes=needs.nodes,
+            processes_per_node=needs.processes_per_node,
+        )
+        never = scheduling.unplaceable_reason(session, job=pending, settings=settings)
     return {
-        "id": uuid.uuid4().hex,
+        "id": job_id,
         "name": spec.name,
         "owner_id": user.id,
         "status": JobStatus.QUEUED.value,
@@ -91,6 +112,8 @@ def _row_values(*, user: User, spec: JobSpec) -> dict[str, Any]:
         "total_steps": spec.hyperparameters.steps,
         "max_restarts": spec.max_restarts,
         "latest_metrics": {},
+        "unplaceable": never is not None,
+        "queued_reason": never,
     }
 
 
@@ -100,21 +123,25 @@ def spec_hash(stored: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def submit(session: Session, *, user: User, spec: JobSpec) -> JobRow:
+def submit(session: Session, *, user: User, spec: JobSpec, settings: Settings | None = None) -> JobRow:
     """Record a new queued job (the caller kicks placement once the transaction has committed)."""
-    job, _ = _insert(session, values=_row_values(user=user, spec=spec))
+    # With `settings` (the API always passes them) a job that no set of live nodes could ever hold
+    # is recorded unplaceable at once; without them, placement's next round finds it so.
+    job, _ = _insert(session, values=_row_values(session, user=user, spec=spec, settings=settings))
     assert job is not None
     return job
 
 
-def submit_once(session: Session, *, user: User, spec: JobSpec, key: str) -> tuple[JobRow, bool]:
+def submit_once(
+    session: Session, *, user: User, spec: JobSpec, key: str, settings: Settings | None = None
+) -> tuple[JobRow, bool]:
     """Submit under an `Idempotency-Key`: (job, True) if created now, (the earlier job, False) on a replay.
 
     The unique (owner_id, idempotency_key) decides, not a read-then-write: of concurrent retries one
     insert wins, the others wait for it to commit and then read it. Conflict if the key was used
-    with another spec.
+    with another spec. A replay answers the earlier job as it is now (its `unplaceable` included).
     """
-    values = _row_values(user=user, spec=spec)
+    values = _row_values(session, user=user, spec=spec, settings=settings)
     values |= {"idempotency_key": key, "request_hash": spec_hash(values["spec"])}
     job, created = _insert(session, values=values)
     if job is None:
@@ -153,7 +180,7 @@ def get_visible_with_owner(session: Session, *, user: User, job_id: str) -> tupl
 
 # Part of every job ETag: bump it whenever the JSON of an unchanged row changes (a field added to
 # `Job`, another rendering of one), so clients holding an old ETag get the new body.
-JOB_REPRESENTATION = 1
+JOB_REPRESENTATION = 2
 
 
 def job_etag(job: JobRow, *, owner: str) -> str:

@@ -69,6 +69,10 @@ class Job(Base):
     # Why placement has not started this queued job yet (e.g. "waiting for 2 nodes with 2 free cpu
     # slots"); NULL once placed.
     queued_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    # No set of live nodes could ever hold this queued job (placement.never_fits; queued_reason then
+    # says what it needs and what the nodes offer). Set at submit, kept current by every placement
+    # round, cleared when placed; shown only while the job is queued.
+    unplaceable: Mapped[bool] = mapped_column(default=False)
 
 
 class JobTransition(Base):

@@ -6,9 +6,10 @@ The rules, in order:
 - A job is placed all-or-nothing: `nodes` live nodes of its device kind, each with
   `processes_per_node` free slots, or none at all. Nothing is ever reserved for a job that is not
   placed, so two jobs can never each hold part of what both need (no partial-admission deadlock).
-- A job that could run on the live nodes but not now (they are busy) blocks the jobs after it of
-  the same device kind, so small jobs never starve a large one. A job that cannot run on the live
-  nodes at all (it asks for more nodes than there are) blocks nobody.
+- A job that no set of live nodes could ever hold (`never_fits`: fewer than `nodes` live nodes of
+  its device kind with `processes_per_node` slots) is *unplaceable*: it says so, first, and blocks
+  nobody. A job that could run on the live nodes but not now (they are busy) blocks the jobs after
+  it of the same device kind, so small jobs never starve a large one.
 - Nodes are chosen best-fit (fewest free slots that suffice, then by name), keeping large nodes free
   for large jobs.
 """
@@ -48,6 +49,8 @@ class Decision:
     job_id: str
     nodes: list[Node] = field(default_factory=list)
     reason: str | None = None
+    # No set of the live nodes could ever hold it (`reason` is then `never_fits`'s answer).
+    unplaceable: bool = False
 
     @property
     def placed(self) -> bool:
@@ -64,6 +67,26 @@ def wanted(job: Pending) -> str:
     return (
         f"{_plural(job.nodes, 'node')} with {_plural(job.processes_per_node, 'free ' + job.device + ' slot')}"
     )
+
+
+def never_fits(job: Pending, nodes: Sequence[Node]) -> str | None:
+    """Why no set of `nodes` could ever hold `job`, whatever they run; None if one could.
+
+    Counts slots, not free slots: the submit answer and every placement round ask the same question
+    of the live nodes, and its answer changes only when nodes come, go or change their slots.
+    """
+    kind = [n for n in nodes if n.device == job.device]
+    able = [n for n in kind if n.slots >= job.processes_per_node]
+    if len(able) >= job.nodes:
+        return None
+    live = _plural(len(kind), f"live {job.device} node")
+    if not kind:
+        offer = f"no live {job.device} node"
+    elif not able:
+        offer = f"{live}, the largest with {_plural(max(n.slots for n in kind), 'slot')}"
+    else:
+        offer = f"{live}, {len(able)} of them with {_plural(job.processes_per_node, 'slot')}"
+    return f"no live node can hold this job: it needs {wanted(job)}; {offer}"
 
 
 def decide(
@@ -86,19 +109,15 @@ def decide(
 def _decide_one(
     job: Pending, *, nodes: Sequence[Node], running: dict[int, int], max_running: int, blocked: set[str]
 ) -> Decision:
+    # Before the owner's limit: that wait ends by itself, this one only when the cluster changes.
+    if (never := never_fits(job, nodes)) is not None:
+        return Decision(job.job_id, reason=never, unplaceable=True)
     if running.get(job.owner_id, 0) >= max_running:
         return Decision(
             job.job_id,
             reason=f"waiting: its owner has {running[job.owner_id]} jobs running, the limit is {max_running}",
         )
-    kind = [n for n in nodes if n.device == job.device]
-    able = [n for n in kind if n.slots >= job.processes_per_node]
-    if len(able) < job.nodes:
-        return Decision(
-            job.job_id,
-            reason=f"waiting for {wanted(job)}: {_plural(len(kind), 'live ' + job.device + ' node')}"
-            f", {len(able)} of them with {_plural(job.processes_per_node, 'slot')}",
-        )
+    able = [n for n in nodes if n.device == job.device and n.slots >= job.processes_per_node]
     if job.device in blocked:
         return Decision(job.job_id, reason=f"waiting for {wanted(job)}: behind earlier {job.device} jobs")
     fit = sorted((n for n in able if n.free >= job.processes_per_node), key=lambda n: (n.free, n.name))

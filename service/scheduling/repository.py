@@ -8,7 +8,19 @@ from functools import lru_cache
 from typing import Any, NamedTuple, cast
 
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, Table, bindparam, case, delete, func, insert, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    Table,
+    bindparam,
+    case,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus, Resources
@@ -33,11 +45,21 @@ def lock_live_nodes(session: Session, *, beat_after: datetime) -> Sequence[Worke
     attempt only deletes job_nodes rows (frees slots) and needs no lock. SQLite has no row locks:
     a write first takes its one database write lock for the whole transaction instead.
     """
-    stmt = select(Worker).where(Worker.last_heartbeat > beat_after).order_by(Worker.name)
+    stmt = _live(beat_after)
     if is_postgresql(session):
         return session.execute(stmt.with_for_update()).scalars().all()
     session.execute(update(Worker).where(Worker.name == "").values(slots=Worker.slots))
     return session.execute(stmt).scalars().all()
+
+
+def live_nodes(session: Session, *, beat_after: datetime, device: str) -> Sequence[Worker]:
+    """The nodes of `device` that beat after `beat_after`, unlocked: what a submit checks its job against."""
+    # No lock: a submit only reads capacity, and must not queue behind placement rounds.
+    return session.execute(_live(beat_after).where(Worker.device == device)).scalars().all()
+
+
+def _live(beat_after: datetime) -> Select[Worker]:
+    return select(Worker).where(Worker.last_heartbeat > beat_after).order_by(Worker.name)
 
 
 def used_slots(session: Session) -> dict[str, int]:
@@ -59,6 +81,7 @@ class Queued(NamedTuple):
     owner_id: int
     needs: QueuedNeeds
     queued_reason: str | None
+    unplaceable: bool
 
 
 class Unreadable(NamedTuple):
@@ -81,20 +104,20 @@ def queued_in_order(session: Session, *, limit: int) -> tuple[list[Queued], list
         kind = case((func.json_valid(Job.spec) == 1, func.json_type(Job.spec)), else_="invalid JSON")
         resources = case((kind == "object", resources))
     stmt = (
-        select(Job.id, Job.owner_id, kind, resources, Job.queued_reason)
+        select(Job.id, Job.owner_id, kind, resources, Job.queued_reason, Job.unplaceable)
         .where(Job.status == JobStatus.QUEUED.value)
         .order_by(Job.priority.desc(), Job.created_at, Job.id)
         .limit(limit)
     )
     queued, unreadable = [], []
-    for job_id, owner, spec_kind, text, reason in session.execute(stmt):
+    for job_id, owner, spec_kind, text, reason, unplaceable in session.execute(stmt):
         needs = (
             _needs(text) if spec_kind == "object" else f"the stored spec is not a JSON object: {spec_kind}"
         )
         if isinstance(needs, str):
             unreadable.append(Unreadable(job_id, needs))
         else:
-            queued.append(Queued(job_id, int(owner), needs, reason))
+            queued.append(Queued(job_id, int(owner), needs, reason, bool(unplaceable)))
     return queued, unreadable
 
 
@@ -117,9 +140,16 @@ def running_per_owner(session: Session) -> dict[int, int]:
     return {int(o): int(n) for o, n in session.execute(stmt)}
 
 
-def set_reasons(session: Session, *, reasons: dict[str, str]) -> None:
+class Wait(NamedTuple):
+    """Why a queued job waits, and whether no set of live nodes could ever hold it."""
+
+    reason: str
+    unplaceable: bool = False
+
+
+def set_reasons(session: Session, *, waits: dict[str, Wait]) -> None:
     """Record why queued jobs wait, each only if it changed (a change bumps updated_at: clients see it)."""
-    if not reasons:
+    if not waits:
         return
     # One executemany (psycopg pipelines it) instead of a statement and a round trip per job: a
     # stream of submits gives every round a batch of new jobs to explain.
@@ -129,11 +159,17 @@ def set_reasons(session: Session, *, reasons: dict[str, str]) -> None:
         .where(
             jobs.c.id == bindparam("job_id"),
             jobs.c.status == JobStatus.QUEUED.value,
-            jobs.c.queued_reason.is_distinct_from(bindparam("reason")),
+            or_(
+                jobs.c.queued_reason.is_distinct_from(bindparam("reason")),
+                jobs.c.unplaceable.is_distinct_from(bindparam("unplaceable")),
+            ),
         )
-        .values(queued_reason=bindparam("reason"))  # and updated_at, by the column's onupdate
+        # and updated_at, by the column's onupdate: the ETag, the poll cache's NOTIFY and the event
+        # stream all follow it.
+        .values(queued_reason=bindparam("reason"), unplaceable=bindparam("unplaceable"))
     )
-    session.connection().execute(stmt, [{"job_id": j, "reason": r} for j, r in reasons.items()])
+    rows = [{"job_id": j, "reason": w.reason, "unplaceable": w.unplaceable} for j, w in waits.items()]
+    session.connection().execute(stmt, rows)
 
 
 def add_nodes(session: Session, *, rows: list[dict[str, Any]]) -> None:

@@ -21,7 +21,8 @@ from service.jobs import lifecycle
 from service.jobs.stored import INVALID_SPEC
 from service.models.base import utcnow
 from service.scheduling import repository
-from service.scheduling.placement import Decision, Node, Pending, decide
+from service.scheduling.placement import Decision, Node, Pending, decide, never_fits
+from service.scheduling.repository import Wait
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
         )
         for q in queued
     ]
-    reasons = {q.job_id: q.queued_reason for q in queued}
+    before = {q.job_id: Wait(q.queued_reason or "", q.unplaceable) for q in queued}
     decisions = decide(
         pending,
         nodes=nodes,
@@ -84,25 +85,31 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
     )
     ports = repository.ports_in_use(session)
     placed: list[Placed] = []
-    waits: dict[str, str] = {}
+    waits: dict[str, Wait] = {}
     for job, decision in zip(pending, decisions, strict=True):
         if not decision.placed:
-            if decision.reason is not None and decision.reason != reasons[job.job_id]:
-                waits[job.job_id] = decision.reason
+            wait = Wait(decision.reason or "", decision.unplaceable)
+            if decision.reason is not None and wait != before[job.job_id]:
+                waits[job.job_id] = wait
             continue
         port = None
         if job.nodes > 1:
             port = _free_port(ports, settings=settings)
             if port is None:
-                waits[job.job_id] = (
-                    "waiting for a free rendezvous port (every DPTRAIN_RENDEZVOUS_PORT_* port is in use)"
-                )
+                waits[job.job_id] = Wait(NO_PORT)
                 continue
             ports.add(port)
         if (started := _start(session, job=job, decision=decision, port=port)) is not None:
             placed.append(started)
-    repository.set_reasons(session, reasons=waits)
+    repository.set_reasons(session, waits=waits)
     return placed
+
+
+def unplaceable_reason(session: Session, *, job: Pending, settings: Settings) -> str | None:
+    """What a placement round now would say if no set of live nodes could ever hold `job`; else None."""
+    # The same rule and liveness window as `place`, so a submit's answer and the next round agree.
+    live = repository.live_nodes(session, beat_after=utcnow() - live_after(settings), device=job.device)
+    return never_fits(job, [Node(name=w.name, device=w.device, slots=w.slots, free=w.slots) for w in live])
 
 
 def _fail_unreadable(session: Session, *, job_id: str, problem: str) -> None:

@@ -189,11 +189,12 @@ def test_a_job_asking_for_more_nodes_than_exist_waits_and_says_why(cluster: Clus
         if job["queued_reason"]:
             break
         time.sleep(0.2)
-    assert job["status"] == "queued"
-    assert (
-        job["queued_reason"]
-        == "waiting for 4 nodes with 1 free cpu slot: 3 live cpu nodes, 3 of them with 1 slot"
+    assert (job["status"], job["unplaceable"]) == ("queued", True), job
+    assert job["queued_reason"] == (
+        "no live node can hold this job: it needs 4 nodes with 1 free cpu slot; "
+        "3 live cpu nodes, 3 of them with 1 slot"
     )
+    assert job["warnings"] == [job["queued_reason"]], job
     # It blocks nobody: a job submitted after it runs.
     _succeeded(cluster, _submit(cluster, _spec("after-too-big", nodes=1, ppn=1)))
     assert cluster.http.get(f"/v1/jobs/{big}").json()["status"] == "queued"

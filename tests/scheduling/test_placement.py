@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.scheduling.placement import Node, Pending, decide
+from service.scheduling.placement import Node, Pending, decide, never_fits
 
 
 def _nodes(*slots: int, device: str = "cpu") -> list[Node]:
@@ -50,7 +50,8 @@ def test_a_job_larger_than_the_cluster_blocks_nobody() -> None:
         decide([_job("huge", nodes=4), _job("small")], nodes=_nodes(1, 1, 1), running={}, max_running=9)
     )
     assert got == {
-        "huge": "waiting for 4 nodes with 1 free cpu slot: 3 live cpu nodes, 3 of them with 1 slot",
+        "huge": "no live node can hold this job: it needs 4 nodes with 1 free cpu slot; "
+        "3 live cpu nodes, 3 of them with 1 slot",
         "small": ["n0"],
     }
 
@@ -82,3 +83,49 @@ def test_best_fit_keeps_the_large_node_for_the_large_job() -> None:
 def test_every_node_of_a_job_needs_the_slots_per_node() -> None:
     got = _where(decide([_job("wide", nodes=2, ppn=3)], nodes=_nodes(4, 2, 3), running={}, max_running=9))
     assert got == {"wide": ["n2", "n0"]}, "n1 has too few slots; best fit orders by free slots"
+
+
+class TestNeverFits:
+    """The rule the submit answer and every round share: could any set of these nodes ever hold it."""
+
+    def test_a_job_that_fits_the_nodes_busy_or_not_says_nothing(self) -> None:
+        nodes = _nodes(4, 2)
+        nodes[0].free = nodes[1].free = 0
+        assert never_fits(_job("fits", nodes=2, ppn=2), nodes) is None, "busy nodes can still hold it later"
+
+    def test_no_live_node_of_its_kind(self) -> None:
+        got = never_fits(_job("lonely", ppn=2), _nodes(8, device="cuda"))
+        assert (
+            got == "no live node can hold this job: it needs 1 node with 2 free cpu slots; no live cpu node"
+        )
+
+    def test_every_node_too_small_names_the_largest(self) -> None:
+        got = never_fits(_job("wide", ppn=3), _nodes(2, 1))
+        assert got == (
+            "no live node can hold this job: it needs 1 node with 3 free cpu slots; "
+            "2 live cpu nodes, the largest with 2 slots"
+        )
+
+    def test_too_few_nodes_large_enough_counts_them(self) -> None:
+        got = never_fits(_job("gang", nodes=3, ppn=2), _nodes(2, 4, 1))
+        assert got == (
+            "no live node can hold this job: it needs 3 nodes with 2 free cpu slots; "
+            "3 live cpu nodes, 2 of them with 2 slots"
+        )
+
+    def test_placement_flags_it_and_says_it_before_the_owner_limit(self) -> None:
+        [d] = decide([_job("big", ppn=3)], nodes=_nodes(2), running={1: 5}, max_running=1)
+        assert (d.placed, d.unplaceable) == (False, True)
+        assert d.reason == never_fits(_job("big", ppn=3), _nodes(2)), (
+            "a job no node can hold says so, not that its owner's other jobs run"
+        )
+
+    def test_a_job_that_only_waits_is_not_flagged(self) -> None:
+        nodes = _nodes(2)
+        nodes[0].free = 0
+        [d] = decide([_job("later", ppn=2)], nodes=nodes, running={}, max_running=9)
+        assert (d.placed, d.unplaceable, d.reason) == (
+            False,
+            False,
+            "waiting for 1 node with 2 free cpu slots: 0 such now",
+        )

@@ -103,7 +103,7 @@ class TestPlacement:
             )
         job_id = client.post("/v1/jobs", json=_spec("orphan")).json()["id"]
         assert schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=settings) == []
-        assert "0 live cpu nodes" in (_job(db, job_id).queued_reason or "")
+        assert "no live cpu node" in (_job(db, job_id).queued_reason or "")
 
     def test_a_start_is_accepted_once_and_only_for_its_attempt_and_node(
         self, client: TestClient, sessions: sessionmaker[Session], settings: Settings
