@@ -1,4 +1,9 @@
-"""dptrain's SDK for your own training script: report metrics, save and resume checkpoints, stop on cancel.
+"""dptrain's SDKs: `dptrain.Client` talks to the API; the functions below serve a training script.
+
+`dptrain.Client` (dptrain/client.py, docs/sdk.md) submits, waits for, follows and downloads jobs
+over HTTP, with typed errors (`dptrain.NotFound`, `dptrain.Refused`...).
+
+The script SDK: report metrics, save and resume checkpoints, stop on cancel.
 
 A job with `command: ["python", "train.py"]` runs your script on every rank under dptrain's
 torchrun; these calls connect it to the service. Outside dptrain (no DPTRAIN_RUN_DIR, e.g. under
@@ -37,15 +42,41 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dptrain._env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, stop_file
+from dptrain.errors import (
+    ApiError,
+    Conflict,
+    FieldError,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    Refused,
+    Unauthorized,
+    Unplaceable,
+    WaitTimeout,
+)
 
 if TYPE_CHECKING:
+    from dptrain.client import Client
     from dptrain.plan import BuildContext, Plan
     from workers.engine.checkpoint import CheckpointManager
     from workers.engine.events import EventWriter
 
 __all__ = [
+    "ApiError",
     "BuildContext",
+    "Client",
+    "Conflict",
+    "FieldError",
+    "Forbidden",
+    "NotFound",
+    "PayloadTooLarge",
     "Plan",
+    "RateLimited",
+    "Refused",
+    "Unauthorized",
+    "Unplaceable",
+    "WaitTimeout",
     "is_active",
     "load_checkpoint",
     "report",
@@ -53,12 +84,13 @@ __all__ = [
     "should_stop",
 ]
 
-# Imported on first use, so `import dptrain` in a script stays free of torch (see dptrain/plan.py).
-_LAZY = {"Plan": "dptrain.plan", "BuildContext": "dptrain.plan"}
+# Imported on first use, so `import dptrain` in a script stays free of torch (see dptrain/plan.py),
+# and a rank's `import dptrain` free of httpx.
+_LAZY = {"Plan": "dptrain.plan", "BuildContext": "dptrain.plan", "Client": "dptrain.client"}
 
 
 def __getattr__(name: str) -> Any:
-    """`from dptrain import Plan` imports dptrain.plan (and torch) only then."""
+    """`from dptrain import Plan` imports dptrain.plan (and torch) only then; `Client` likewise."""
     if name in _LAZY:
         import importlib
 

@@ -1,4 +1,7 @@
-"""The one settings class (pydantic-settings, prefix DPTRAIN_), shared by API, workers and CLI."""
+"""The one settings class of the server (pydantic-settings, prefix DPTRAIN_): API, workers, server commands.
+
+The client (`dptrain.Client`, the CLI's client commands) has its own: dptrain/settings.py.
+"""
 
 from __future__ import annotations
 
@@ -104,10 +107,6 @@ class Settings(BaseSettings):
     poll_cache: bool = True
     # How often an open `GET /v1/jobs/{id}/events` stream looks at the database.
     sse_poll_seconds: float = 1.0
-
-    # Client (CLI)
-    api_url: str = "http://127.0.0.1:8000"
-    token: SecretStr | None = None
 
     @field_validator("data_root", mode="before")
     @classmethod

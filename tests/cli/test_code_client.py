@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dptrain_cli.client import ApiError, Client
+from dptrain.client import Client
+from dptrain.errors import ApiError
 
 ARCHIVE = bytes(range(256)) * 9000  # over two upload chunks
 SHA = hashlib.sha256(ARCHIVE).hexdigest()
@@ -51,7 +52,7 @@ def test_upload_streams_the_file_as_gzip(tmp_path: Path, status: int, stored_now
         received.append(request)
         return httpx.Response(status, json={"sha256": SHA})
 
-    assert client_of(server).upload_code(SHA, path) is stored_now
+    assert client_of(server).upload_archive(SHA, path) is stored_now
     (request,) = received
     assert request.method == "PUT" and request.url.path == f"/v1/code/{SHA}"
     assert request.headers["Content-Type"] == "application/gzip"
@@ -66,9 +67,9 @@ def test_an_upload_over_the_limit_keeps_the_servers_detail(tmp_path: Path) -> No
     path.write_bytes(ARCHIVE)
     detail = "code archive is over DPTRAIN_CODE_MAX_BYTES (1024 bytes)"
     with pytest.raises(ApiError) as caught:
-        client_of(lambda _r: httpx.Response(413, json={"error": "too_large", "detail": detail})).upload_code(
-            SHA, path
-        )
+        client_of(
+            lambda _r: httpx.Response(413, json={"error": "too_large", "detail": detail})
+        ).upload_archive(SHA, path)
     assert caught.value.status_code == 413 and caught.value.detail == detail
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dptrain_cli import workdir
-from dptrain_cli.workdir import included_files, largest_paths, largest_top_level, pack
+from dptrain import workdir
+from dptrain.workdir import included_files, largest_paths, largest_top_level, pack
 
 FILES = {
     "main.py": b"print('hi')\n",

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from dptrain_cli.workdir import pack
+from dptrain.workdir import pack
 from tests.conftest import job_spec
 from tests.e2e.cluster import Cluster, running_cluster
 from tests.e2e.helpers import wait_for_terminal

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from dptrain_cli.workdir import pack
+from dptrain.workdir import pack
 from tests.e2e.helpers import ROOT, Procs, clean_env, wait_for_terminal, wait_healthy
 
 pytestmark = pytest.mark.e2e

@@ -2,36 +2,58 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
-from api_schemas import JobSpec
-from dptrain_cli.client import Client
+from api_schemas import Job, JobSpec, JobStatus, Progress
+from dptrain.client import Client
+from tests.conftest import job_spec
+
+
+def job_json(job_id: str) -> dict[str, object]:
+    """A queued job as the API answers it."""
+    now = datetime.now(UTC)
+    job = Job(
+        id=job_id,
+        name="x",
+        status=JobStatus.QUEUED,
+        spec=JobSpec.model_validate(job_spec()),
+        owner="admin",
+        created_at=now,
+        updated_at=now,
+        started_at=None,
+        finished_at=None,
+        progress=Progress(step=0, total_steps=4),
+        attempt=0,
+        error=None,
+    )
+    return job.model_dump(mode="json")
 
 
 def test_a_submit_whose_answer_was_lost_is_retried_with_the_same_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("dptrain_cli.client.time.sleep", lambda _s: None)
+    monkeypatch.setattr("dptrain.client.time.sleep", lambda _s: None)
     keys: list[str] = []
 
     def server(request: httpx.Request) -> httpx.Response:
         keys.append(request.headers["Idempotency-Key"])
         if len(keys) == 1:  # accepted, but the answer never arrives
             raise httpx.ReadTimeout("lost", request=request)
-        return httpx.Response(200, json={"id": "job-1"})
+        return httpx.Response(200, json=job_json("job-1"))
 
     client = Client("http://api", token="t")
     client.http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(server))
-    assert client.submit({"name": "x"}) == {"id": "job-1"}
+    assert client.submit(job_spec()).id == "job-1"
     assert len(keys) == 2 and keys[0] == keys[1] and keys[0], f"expected one key sent twice, got {keys}"
-    client.submit({"name": "y"})
+    client.submit(job_spec(name="y"))
     assert keys[2] != keys[0], "each submit has a key of its own"
 
 
 def test_a_yaml_spec_reads_exponent_floats_as_numbers(tmp_path: Path) -> None:
     # YAML 1.2 reads `1e-4` as a float, PyYAML's 1.1 as a string, which the spec's strict types refuse.
-    from dptrain_cli.main import _load_spec
+    from dptrain.specfile import load_spec as _load_spec
 
     path = tmp_path / "job.yaml"
     path.write_text("name: x\nrecipe: mlp\nhyperparameters: {lr: 1e-3, weight_decay: 1.0e-4, steps: 5}\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain_cli.workdir import pack
+from dptrain.workdir import pack
 from workers import code_cache
 from workers.code_cache import (
     CodeArchiveError,

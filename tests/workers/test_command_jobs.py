@@ -21,7 +21,7 @@ from pydantic import SecretStr
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from dptrain_cli.workdir import pack
+from dptrain.workdir import pack
 from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
 from service.code.storage import archive_path

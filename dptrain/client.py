@@ -1,0 +1,399 @@
+"""`dptrain.Client`: the v1 API from Python, typed with the wire models of `api_schemas`.
+
+    import dptrain
+
+    with dptrain.Client() as client:          # DPTRAIN_API_URL and DPTRAIN_TOKEN (or DPTRAIN_HOME/token)
+        job = client.submit("job.yaml", workdir=".")
+        job = client.wait(job.id, on_progress=lambda j: print(j.progress.step))
+        for line in client.logs(job.id):
+            print(line.line)
+        client.download(job.id, "model.pt")
+
+Needs httpx and pydantic only (the light `pip install dptrain`): nothing here imports torch,
+Celery, SQLAlchemy or FastAPI. The CLI is built on it. See docs/sdk.md.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import httpx
+
+from api_schemas import (
+    CheckpointInfo,
+    CheckpointList,
+    Job,
+    JobList,
+    JobSpec,
+    JobStatus,
+    LogLine,
+    LogPage,
+    MetricSeries,
+)
+from dptrain.errors import Unplaceable, WaitTimeout, api_error
+from dptrain.settings import ClientSettings
+from dptrain.specfile import load_spec
+from dptrain.workdir import Packed, pack
+
+__all__ = ["Client", "CodeTooLarge", "CodeUpload"]
+
+CHUNK_BYTES = 1 << 20
+# Requests that are safe to send again (reads, and a submit under its Idempotency-Key) are retried
+# this many times in all on a broken connection or a 429/503, backing off.
+ATTEMPTS = 3
+RETRY_STATUS = (429, 503)
+MAX_BACKOFF_S = 10.0
+
+
+class CodeTooLarge(ValueError):
+    """A working directory packs to more than `limit` bytes: the caller's, or (`by_server`) the server's."""
+
+    def __init__(self, packed: Packed, *, limit: int, by_server: bool) -> None:
+        name = "the server's DPTRAIN_CODE_MAX_BYTES" if by_server else "max_bytes"
+        super().__init__(f"the archive is {packed.size_bytes} bytes, over {name} {limit}")
+        self.packed = packed
+        self.limit = limit
+        self.by_server = by_server
+
+
+@dataclass(frozen=True)
+class CodeUpload:
+    """A working directory as shipped: its archive's sha256 and size, and whether it was sent now."""
+
+    sha256: str
+    size_bytes: int
+    files: int
+    skipped: list[tuple[str, str]]
+    uploaded: bool
+
+
+class Client:
+    """A connection to one dptrain API as one user."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        http: httpx.Client | None = None,
+    ) -> None:
+        """Talk to `url` with `token`; each left out comes from the environment (ClientSettings)."""
+        env = ClientSettings.from_env() if url is None or token is None else ClientSettings()
+        token = env.token if token is None else token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if http is None:
+            http = httpx.Client(base_url=(url or env.api_url).rstrip("/"), timeout=timeout)
+        # `http` lets a test (or a caller with its own transport, proxies or TLS) supply the connection.
+        self.http = http
+        self.http.headers.update(headers)
+
+    @classmethod
+    def from_env(cls) -> Client:
+        """A client configured from DPTRAIN_API_URL and DPTRAIN_TOKEN / DPTRAIN_HOME."""
+        return cls()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.http.close()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check(r: httpx.Response) -> httpx.Response:
+        if r.status_code < 400:
+            return r
+        error = None
+        try:
+            body = r.json()
+            detail = body.get("detail", body) if isinstance(body, dict) else body
+            error = body.get("error") if isinstance(body, dict) else None
+        except ValueError:
+            detail = r.text or r.reason_phrase
+        retry_after = _seconds(r.headers.get("Retry-After"))
+        raise api_error(r.status_code, detail, error=error, retry_after=retry_after)
+
+    def _send(self, method: str, path: str, *, retry: bool = True, **kw: Any) -> httpx.Response:
+        """One request; a retry-safe one is sent again on a broken connection, a 429 or a 503."""
+        for attempt in range(ATTEMPTS):
+            last = attempt == ATTEMPTS - 1 or not retry
+            try:
+                r = self.http.request(method, path, **kw)
+            except httpx.TransportError:
+                # A submit may have been accepted before the connection broke: its Idempotency-Key
+                # makes the retry answer that job instead of creating a second one.
+                if last:
+                    raise
+                time.sleep(min(MAX_BACKOFF_S, 0.5 * 2**attempt))
+                continue
+            if r.status_code in RETRY_STATUS and not last:
+                time.sleep(min(MAX_BACKOFF_S, _seconds(r.headers.get("Retry-After"), 0.5 * 2**attempt)))
+                continue
+            return self._check(r)
+        raise AssertionError("unreachable")
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return self._send(method, path, **kw).json()
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        spec: JobSpec | Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        workdir: str | os.PathLike[str] | None = None,
+        idempotency_key: str | None = None,
+        max_code_bytes: int | None = None,
+    ) -> Job:
+        """Submit a job (a JobSpec, a dict, or a YAML/JSON file), with `workdir` uploaded as its code.
+
+        Sent under an Idempotency-Key (one of its own unless given) that a retry reuses: one call
+        never makes two jobs. The answer's `warnings` say, e.g., that no live node can hold it.
+        """
+        if isinstance(spec, JobSpec):
+            body = spec.model_dump(mode="json", exclude_unset=True)
+        elif isinstance(spec, Mapping):
+            body = dict(spec)
+        else:
+            body = load_spec(Path(spec))
+        if workdir is not None:
+            body["code"] = {"sha256": self.upload_code(workdir, max_bytes=max_code_bytes).sha256}
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        return Job.model_validate(self._json("POST", "/v1/jobs", json=body, headers=headers))
+
+    def get(self, job_id: str) -> Job:
+        """One job."""
+        return Job.model_validate(self._json("GET", f"/v1/jobs/{job_id}"))
+
+    def list(
+        self,
+        *,
+        status: JobStatus | str | None = None,
+        labels: Mapping[str, str] | None = None,
+        page_size: int | None = None,
+    ) -> Iterator[Job]:
+        """Every job this user may see, newest first, fetched a page at a time as it is iterated."""
+        params: dict[str, Any] = {}
+        if status is not None:
+            params["status"] = JobStatus(status).value
+        if labels:
+            params["label"] = [f"{k}={v}" for k, v in labels.items()]
+        if page_size is not None:
+            params["limit"] = page_size
+        cursor: str | None = None
+        while True:
+            page = JobList.model_validate(
+                self._json("GET", "/v1/jobs", params={**params, **({"cursor": cursor} if cursor else {})})
+            )
+            yield from page.items
+            if page.next_cursor is None or not page.items:
+                return
+            cursor = page.next_cursor
+
+    def cancel(self, job_id: str) -> Job:
+        """Ask a job to stop (a queued one ends at once); cancelling an ended job changes nothing."""
+        return Job.model_validate(self._json("POST", f"/v1/jobs/{job_id}/cancel"))
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        timeout: float | None = None,
+        poll_interval: float = 1.0,
+        on_progress: Callable[[Job], None] | None = None,
+        unplaceable_timeout: float | None = None,
+    ) -> Job:
+        """Poll until the job ends; the ended job (whatever its status: check `job.status`).
+
+        `on_progress(job)` is called with the first answer and with every change. Raises
+        WaitTimeout after `timeout` seconds, and Unplaceable once no live node could hold the job for
+        `unplaceable_timeout` seconds on end; either way the job itself goes on.
+        """
+        start = time.monotonic()
+        unplaceable_since: float | None = None
+        etag: str | None = None
+        job: Job | None = None
+        while True:
+            # If-None-Match: an unchanged job costs the server a 304 from its cache and no body.
+            r = self._send("GET", f"/v1/jobs/{job_id}", headers={"If-None-Match": etag} if etag else {})
+            now = time.monotonic()
+            if r.status_code != 304 or job is None:
+                job = Job.model_validate(r.json())
+                etag = r.headers.get("ETag")
+                if on_progress is not None:
+                    on_progress(job)
+            if job.status.is_terminal():
+                return job
+            if job.unplaceable:
+                unplaceable_since = now if unplaceable_since is None else unplaceable_since
+                if unplaceable_timeout is not None and now - unplaceable_since >= unplaceable_timeout:
+                    raise Unplaceable(job, unplaceable_timeout)
+            else:
+                unplaceable_since = None
+            if timeout is not None and now - start >= timeout:
+                raise WaitTimeout(job, timeout)
+            time.sleep(poll_interval)
+
+    def logs(
+        self,
+        job_id: str,
+        *,
+        rank: int | None = None,
+        after: int | None = None,
+        follow: bool = False,
+        poll_interval: float = 1.0,
+    ) -> Iterator[LogLine]:
+        """A job's output lines in order (from after line id `after`); with `follow`, until it ends."""
+        cursor = after
+        while True:
+            params = {k: v for k, v in {"after": cursor, "rank": rank}.items() if v is not None}
+            page = LogPage.model_validate(self._json("GET", f"/v1/jobs/{job_id}/logs", params=params))
+            yield from page.items
+            cursor = page.next_cursor
+            if page.items:
+                continue
+            if not follow:
+                return
+            # Read once more after seeing the job ended: lines shipped just before its end are kept.
+            if self.get(job_id).status.is_terminal():
+                params = {k: v for k, v in {"after": cursor, "rank": rank}.items() if v is not None}
+                last = LogPage.model_validate(self._json("GET", f"/v1/jobs/{job_id}/logs", params=params))
+                yield from last.items
+                if not last.items:
+                    return
+                cursor = last.next_cursor
+                continue
+            time.sleep(poll_interval)
+
+    def metrics(
+        self,
+        job_id: str,
+        *,
+        names: builtins.list[str] | None = None,
+        since_step: int | None = None,
+        max_points: int | None = None,
+    ) -> MetricSeries:
+        """The job's metric series (`[step, value]` per name), optionally only some names or after a step."""
+        params: dict[str, Any] = {"since_step": since_step, "max_points": max_points}
+        if names:
+            params["name"] = ",".join(names)
+        query = {k: v for k, v in params.items() if v is not None}
+        return MetricSeries.model_validate(self._json("GET", f"/v1/jobs/{job_id}/metrics", params=query))
+
+    def checkpoints(self, job_id: str) -> builtins.list[CheckpointInfo]:
+        """The job's checkpoints, oldest first."""
+        return CheckpointList.model_validate(self._json("GET", f"/v1/jobs/{job_id}/checkpoints")).items
+
+    def download(
+        self, job_id: str, dest: str | os.PathLike[str], *, step: int | None = None, best: bool = False
+    ) -> CheckpointInfo:
+        """Save a checkpoint file at `dest`: the newest, the one of `step`, or (`best`) the best one.
+
+        Streamed to a temporary file beside `dest` and checked against the sha256 the server
+        recorded before it is renamed into place: `dest` is never a partial or corrupt file.
+        Open it with `torch.load(dest, weights_only=True)`.
+        """
+        items = self.checkpoints(job_id)
+        if best:
+            items = [c for c in items if c.best]
+        if step is not None:
+            items = [c for c in items if c.step == step]
+        if not items:
+            what = (
+                "best checkpoint" if best else "checkpoint" + (f" at step {step}" if step is not None else "")
+            )
+            raise api_error(404, f"job {job_id} has no {what}", error="NotFound")
+        ckpt = items[-1]
+        _download(self.http, f"/v1/jobs/{job_id}/checkpoints/{ckpt.id}/download", Path(dest), ckpt.sha256)
+        return ckpt
+
+    # -- code -----------------------------------------------------------------------------------
+
+    def code_status(self, sha256: str) -> tuple[bool, int | None]:
+        """Whether the server holds the code archive `sha256`, and its size limit if it says."""
+        r = self.http.head(f"/v1/code/{sha256}")
+        limit = r.headers.get("X-Code-Max-Bytes", "")
+        max_bytes = int(limit) if limit.isdigit() else None
+        if r.status_code == 404:
+            return False, max_bytes
+        self._check(r)
+        return True, max_bytes
+
+    def code_exists(self, sha256: str) -> bool:
+        """Whether the server already holds that archive."""
+        return self.code_status(sha256)[0]
+
+    def upload_archive(self, sha256: str, path: Path) -> bool:
+        """PUT the archive at `path` as `sha256`, streamed; True if stored now, False if already there."""
+        with path.open("rb") as f:
+            # A stated length lets the server refuse an archive over its limit before reading it.
+            headers = {"Content-Type": "application/gzip", "Content-Length": str(path.stat().st_size)}
+            r = self.http.put(f"/v1/code/{sha256}", content=_chunks(f), headers=headers)
+        return self._check(r).status_code == 201
+
+    def upload_code(self, workdir: str | os.PathLike[str], *, max_bytes: int | None = None) -> CodeUpload:
+        """Pack `workdir` (minus .gitignore/.dptrainignore) and upload it unless the server has it.
+
+        Raises CodeTooLarge, before sending anything, if the archive is over `max_bytes` or the
+        server's limit.
+        """
+        with tempfile.TemporaryDirectory(prefix="dptrain-code-") as tmp:
+            packed = pack(Path(workdir), Path(tmp) / "code.tar.gz")
+            if max_bytes is not None and packed.size_bytes > max_bytes:
+                raise CodeTooLarge(packed, limit=max_bytes, by_server=False)
+            held, server_max = self.code_status(packed.sha256)
+            if not held and server_max is not None and packed.size_bytes > server_max:
+                raise CodeTooLarge(packed, limit=server_max, by_server=True)
+            uploaded = not held and self.upload_archive(packed.sha256, packed.path)
+        return CodeUpload(packed.sha256, packed.size_bytes, packed.files, packed.skipped, uploaded)
+
+    def download_code(self, sha256: str, dest: Path) -> None:
+        """GET the archive `sha256` into `dest`; ValueError (and no file) if its hash differs."""
+        _download(self.http, f"/v1/code/{sha256}", dest, sha256)
+
+
+def _download(http: httpx.Client, path: str, dest: Path, sha256: str) -> None:
+    """Stream `path` to `dest` through a temporary file, kept only if it hashes to `sha256`."""
+    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent or ".")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f, http.stream("GET", path) as r:
+            if r.status_code >= 400:
+                r.read()
+                Client._check(r)
+            for chunk in r.iter_bytes(CHUNK_BYTES):
+                digest.update(chunk)
+                f.write(chunk)
+        if digest.hexdigest() != sha256:
+            raise ValueError(f"downloaded {path} hashes to {digest.hexdigest()}, not {sha256}")
+        tmp.replace(dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _chunks(f: BinaryIO) -> Iterator[bytes]:
+    while chunk := f.read(CHUNK_BYTES):
+        yield chunk
+
+
+def _seconds(value: str | None, default: float = 1.0) -> float:
+    try:
+        return max(0.0, float(value)) if value is not None else default
+    except ValueError:
+        return default
