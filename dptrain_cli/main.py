@@ -1,30 +1,34 @@
-"""`dptrain`: run the service, or talk to it (submit, status, list, cancel, logs)."""
+"""`dptrain`: talk to the service (submit, status, list, cancel, logs, watch, download) or run it.
+
+Built on `dptrain.Client`. The client commands need only the light install (`pip install dptrain`);
+the server commands (api, worker, migrate, up, users) import the server's modules when they run, and
+say which extra to install when those are missing (dptrain_cli/server.py).
+"""
 
 from __future__ import annotations
 
-import json
-import re
-import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
+import httpx
 import typer
-import yaml
-from rich.console import Console
 from rich.filesize import decimal
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
-from api_schemas import JobStatus
+from api_schemas import Job, JobStatus
+from dptrain.client import Client, CodeTooLarge
+from dptrain.errors import ApiError, PayloadTooLarge, Refused, Unplaceable, WaitTimeout
+from dptrain.specfile import SpecFileError, load_spec
 from dptrain_cli import server, users
-from dptrain_cli.client import ApiError, Client
+from dptrain_cli.follow import Progress, watch_job
 from dptrain_cli.junit import junit_report
-from dptrain_cli.workdir import Packed, pack
+from dptrain_cli.output import Output, emit_json, inert, out, say
 
 app = typer.Typer(no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP.")
-out = Console()
-err = Console(stderr=True)
 
 app.command()(server.api)
 app.command()(server.worker)
@@ -32,112 +36,88 @@ app.command()(server.migrate)
 app.command()(server.up)
 app.add_typer(users.app, name="users")
 
-EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED, EXIT_CANCELLED = 0, 1, 2, 3, 4
+EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED, EXIT_CANCELLED, EXIT_UNPLACEABLE = 0, 1, 2, 3, 4, 5
 
-
-class _SpecLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading `1e-4` as the float YAML 1.2 says it is.
-
-    PyYAML follows YAML 1.1, where a float needs a dot (`1.0e-4`); `lr: 1e-4` would reach the API
-    as the string "1e-4", which the spec's strict types refuse.
-    """
-
-
-_SpecLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _load_spec(path: Path) -> dict[str, Any]:
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_SpecLoader)
-    if not isinstance(data, dict):
-        raise typer.BadParameter(f"{path} does not hold a job spec object")
-    return data
+T = TypeVar("T")
+OUTPUT = typer.Option(Output.text, "--output", help="text for people, json for scripts.")
 
 
 def _refused(exc: ApiError) -> typer.Exit:
-    if isinstance(exc.detail, list):
-        for e in exc.detail:
-            loc = ".".join(str(p) for p in e.get("loc", []) if p != "body")
-            err.print(f"[red]{loc}[/red]: {e.get('msg')}")
+    if isinstance(exc, Refused) and exc.errors:
+        for e in exc.errors:
+            say(f"{e.path}: {e.msg}", stderr=True)
     else:
-        err.print(f"[red]refused ({exc.status_code})[/red]: {exc.detail}")
+        say(f"refused ({exc.status_code}): {exc.detail}", stderr=True)
     return typer.Exit(EXIT_REFUSED)
 
 
-def _exit_for(job: dict[str, Any]) -> int:
+@contextmanager
+def _api() -> Iterator[Client]:
+    """The client, with the API's refusals turned into exit code 3 and their reasons on stderr."""
+    client = Client.from_env()
+    try:
+        yield client
+    except ApiError as exc:
+        raise _refused(exc) from exc
+    finally:
+        client.close()
+
+
+def _fetch(output: Output, call: Callable[[Client], T]) -> T | None:
+    """What `call` reads through the API; with --output json it is printed here and None returned."""
+    with _api() as client:
+        result = call(client)
+    if output is Output.json:
+        emit_json(result)
+        return None
+    return result
+
+
+def _exit_for(job: Job) -> int:
     return {JobStatus.SUCCEEDED: EXIT_SUCCEEDED, JobStatus.CANCELLED: EXIT_CANCELLED}.get(
-        JobStatus(job["status"]), EXIT_FAILED
+        job.status, EXIT_FAILED
     )
 
 
-def _report_end(job: dict[str, Any]) -> None:
-    colour = "green" if JobStatus(job["status"]) is JobStatus.SUCCEEDED else "red"
-    out.print(f"job {job['id']} [{colour}]{job['status']}[/{colour}] at step {job['progress']['step']}")
-    if job.get("error"):
-        e = job["error"]
-        rank = f" on rank {e['rank']}" if e.get("rank") is not None else ""
-        err.print(f"[red]{e['type']}{rank}: {e['message']}[/red]")
-        if e.get("traceback"):
-            err.print(e["traceback"], markup=False, highlight=False)
+def _report_end(job: Job) -> None:
+    colour = "green" if job.status is JobStatus.SUCCEEDED else "red"
+    out.print(f"job {job.id} [{colour}]{job.status.value}[/{colour}] at step {job.progress.step}")
+    if job.error is not None:
+        rank = f" on rank {job.error.rank}" if job.error.rank is not None else ""
+        say(f"{job.error.type}{rank}: {job.error.message}", stderr=True)
+        if job.error.traceback:
+            say(job.error.traceback, stderr=True)
 
 
-def _too_big(workdir: Path, packed: Packed, reason: str) -> typer.Exit:
-    err.print(f"[red]code refused[/red]: {reason}")
-    err.print("largest paths it would upload:")
-    for path, size in packed.largest:
-        err.print(f"  {decimal(size):>10}  {path}", markup=False, highlight=False)
-    err.print(f"Leave out what the job does not need with a .dptrainignore in {workdir} (.gitignore syntax).")
+def _too_big(workdir: Path, exc: CodeTooLarge) -> typer.Exit:
+    size = exc.packed.size_bytes
+    reason = str(exc) if exc.by_server else f"the archive is {size} bytes, over --max-code-bytes {exc.limit}"
+    say(f"code refused: {reason}", stderr=True)
+    say("largest paths it would upload:", stderr=True)
+    for path, size in exc.packed.largest:
+        say(f"  {decimal(size):>10}  {path}", stderr=True)
+    say(
+        f"Leave out what the job does not need with a .dptrainignore in {workdir} (.gitignore syntax).",
+        stderr=True,
+    )
     return typer.Exit(EXIT_REFUSED)
 
 
 def _ship_code(client: Client, workdir: Path, *, max_bytes: int | None) -> str:
-    """Pack `workdir`, upload it unless the server has it; its sha256."""
-    with tempfile.TemporaryDirectory(prefix="dptrain-code-") as tmp:
-        packed = pack(workdir, Path(tmp) / "code.tar.gz")
-        # stderr: stdout holds only the job id, for `JOB=$(dptrain submit ...)`.
-        err.print(f"code {packed.sha256[:12]} {decimal(packed.size_bytes)} ({packed.files} files)")
-        for path, why in packed.skipped:
-            err.print(f"[yellow]warning[/yellow]: skipped {path}: {why}", highlight=False)
-
-        def refuse_over(limit: int | None, name: str) -> None:
-            if limit is not None and packed.size_bytes > limit:
-                over = f"the archive is {packed.size_bytes} bytes, over {name} {limit}"
-                raise _too_big(workdir, packed, over)
-
-        refuse_over(max_bytes, "--max-code-bytes")
-        sha256 = packed.sha256
-        try:
-            held, server_max = client.code_status(sha256)
-            if not held:
-                refuse_over(server_max, "the server's DPTRAIN_CODE_MAX_BYTES")
-            uploaded = not held and client.upload_code(sha256, packed.path)
-        except ApiError as exc:
-            if exc.status_code == 413:
-                raise _too_big(workdir, packed, str(exc.detail)) from exc
-            raise _refused(exc) from exc
-    err.print("code uploaded" if uploaded else "code already on the server")
-    return sha256
-
-
-def _follow(client: Client, job: dict[str, Any], *, timeout: float) -> tuple[dict[str, Any], bool]:
-    """Poll `job` with a progress bar until it ends or `timeout` seconds pass; (job, timed out)."""
-    deadline = time.monotonic() + timeout if timeout > 0 else None
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
-    with Progress(*columns, TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task(job["status"], total=job["progress"]["total_steps"])
-        while not JobStatus(job["status"]).is_terminal():
-            if deadline is not None and time.monotonic() > deadline:
-                return job, True
-            time.sleep(1.0)
-            job = client.get(job["id"])
-            loss = job["latest_metrics"].get("loss")
-            desc = job["status"] + (f" loss={loss:.4g}" if loss is not None else "")
-            bar.update(task, completed=job["progress"]["step"], description=desc)
-    return job, False
+    """Pack and upload `workdir` unless the server has it; its sha256. Says what it did on stderr."""
+    try:
+        code = client.upload_code(workdir, max_bytes=max_bytes)
+    except CodeTooLarge as exc:
+        raise _too_big(workdir, exc) from exc
+    except PayloadTooLarge as exc:
+        say(f"code refused: {exc.detail}", stderr=True)
+        raise typer.Exit(EXIT_REFUSED) from exc
+    # stderr: stdout holds only the job id, for `JOB=$(dptrain submit ...)`.
+    say(f"code {code.sha256[:12]} {decimal(code.size_bytes)} ({code.files} files)", stderr=True)
+    for path, why in code.skipped:
+        say(f"warning: skipped {path}: {why}", stderr=True)
+    say("code uploaded" if code.uploaded else "code already on the server", stderr=True)
+    return code.sha256
 
 
 @app.command()
@@ -152,82 +132,149 @@ def submit(
     ),
     wait: bool = typer.Option(False, "--wait", help="Follow the job to its end with a progress bar."),
     timeout: float = typer.Option(0, "--timeout", help="With --wait: give up after S seconds (exit 2)."),
+    unplaceable_timeout: float = typer.Option(
+        60,
+        "--unplaceable-timeout",
+        min=0,
+        help="With --wait: give up (exit 5) once no live node could hold the job for S seconds.",
+    ),
     junit: Path | None = typer.Option(
         None, "--junit", dir_okay=False, help="With --wait: write a JUnit XML report here (also on timeout)."
     ),
     max_code_bytes: int | None = typer.Option(
         None, "--max-code-bytes", min=1, help="Refuse a --workdir archive over N bytes before uploading."
     ),
+    output: Output = OUTPUT,
 ) -> None:
-    """Submit a job; print its id.
+    """Submit a job; print its id (the job with --output json).
 
     Exit codes: 0 submitted (with --wait: succeeded); 1 failed; 2 timed out (the job keeps running);
     3 refused (by the API: the spec or the code upload; or by the CLI before uploading);
-    4 cancelled.
+    4 cancelled; 5 no live node could hold it for --unplaceable-timeout (it stays queued).
     """
     if junit is not None and not wait:
-        err.print("[red]--junit needs --wait[/red]: the report is written when the job ends")
+        say("--junit needs --wait: the report is written when the job ends", stderr=True)
         raise typer.Exit(EXIT_REFUSED)
-    client = Client.from_env()
-    spec = _load_spec(file)
-    if workdir is not None:
-        spec["code"] = {"sha256": _ship_code(client, workdir, max_bytes=max_code_bytes)}
-    started = time.monotonic()
     try:
+        spec = load_spec(file)
+    except SpecFileError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    with _api() as client:
+        if workdir is not None:
+            spec["code"] = {"sha256": _ship_code(client, workdir, max_bytes=max_code_bytes)}
+        started = time.monotonic()
         job = client.submit(spec)
-    except ApiError as exc:
-        raise _refused(exc) from exc
-    out.print(job["id"])
-    if not wait:
-        return
-    job, timed_out = _follow(client, job, timeout=timeout)
-    if junit is not None:
-        junit.write_bytes(junit_report(job, elapsed=time.monotonic() - started, timed_out=timed_out))
-    if timed_out:
-        err.print(
-            f"[yellow]timed out after {timeout:g} s; job {job['id']} is {job['status']} and keeps running"
-            f" (dptrain cancel {job['id']} stops it)[/yellow]"
+        emit_json(job) if output is Output.json else say(job.id)
+        for warning in job.warnings:
+            say(f"warning: {warning}", stderr=True)
+        if not wait:
+            return
+        code = _wait(
+            client,
+            job,
+            timeout=timeout,
+            unplaceable_timeout=unplaceable_timeout,
+            junit=junit,
+            started=started,
         )
-        raise typer.Exit(EXIT_TIMEOUT)
+    raise typer.Exit(code)
+
+
+def _wait(
+    client: Client,
+    job: Job,
+    *,
+    timeout: float,
+    unplaceable_timeout: float,
+    junit: Path | None,
+    started: float,
+) -> int:
+    """Follow `job` with a progress bar to its end; the exit code, and the JUnit report if asked."""
+    timed_out, code = False, None
+    with Progress(job) as bar:
+        try:
+            job = client.wait(
+                job.id,
+                timeout=timeout or None,
+                on_progress=bar.update,
+                unplaceable_timeout=unplaceable_timeout,
+            )
+        except WaitTimeout as exc:
+            job, timed_out = exc.job, True
+        except Unplaceable as exc:
+            job, timed_out, code = exc.job, True, EXIT_UNPLACEABLE
+    if junit is not None:
+        junit.write_bytes(
+            junit_report(job.model_dump(mode="json"), elapsed=time.monotonic() - started, timed_out=timed_out)
+        )
+    if code == EXIT_UNPLACEABLE:
+        say(
+            f"no live node could hold job {job.id} for {unplaceable_timeout:g} s: "
+            f"{job.queued_reason or 'no node of its kind is big enough'}. It stays queued "
+            f"(dptrain cancel {job.id} removes it).",
+            stderr=True,
+        )
+        return EXIT_UNPLACEABLE
+    if timed_out:
+        say(
+            f"timed out after {timeout:g} s; job {job.id} is {job.status.value} and keeps running"
+            f" (dptrain cancel {job.id} stops it)",
+            stderr=True,
+        )
+        return EXIT_TIMEOUT
     _report_end(job)
-    raise typer.Exit(_exit_for(job))
+    return _exit_for(job)
 
 
 @app.command()
-def status(job_id: str) -> None:
-    """Show one job as JSON."""
-    try:
-        out.print_json(data=Client.from_env().get(job_id))
-    except ApiError as exc:
-        raise _refused(exc) from exc
+def status(job_id: str, output: Output = OUTPUT) -> None:
+    """Show one job: its state, progress, latest metrics and error."""
+    if (job := _fetch(output, lambda c: c.get(job_id))) is None:
+        return
+    p = job.progress
+    say(f"{job.id}  {job.name}  {job.status.value}  step {p.step}/{p.total_steps}  attempt {job.attempt}")
+    say(f"owner {job.owner}  created {job.created_at.isoformat()}")
+    if job.queued_reason and job.status is JobStatus.QUEUED:
+        say(f"queued: {job.queued_reason}")
+    for warning in job.warnings:
+        say(f"warning: {warning}")
+    for name, value in sorted(job.latest_metrics.items()):
+        say(f"  {name} = {value:.6g}")
+    if job.error is not None:
+        say(f"error: {job.error.type}: {job.error.message}")
 
 
 @app.command("list")
 def list_jobs(
-    limit: int = typer.Option(20, help="How many jobs."), status: str | None = typer.Option(None)
+    limit: int = typer.Option(20, min=1, help="How many jobs, newest first."),
+    status: JobStatus | None = typer.Option(None, help="Only jobs in this state."),
+    output: Output = OUTPUT,
 ) -> None:
     """List recent jobs."""
-    try:
-        page = Client.from_env().list(limit=limit, status=status)
-    except ApiError as exc:
-        raise _refused(exc) from exc
-    table = Table("id", "name", "status", "step", "owner", "created")
-    for j in page["items"]:
-        p = j["progress"]
+    if (
+        jobs := _fetch(
+            output, lambda c: list(islice(c.list(status=status, page_size=min(limit, 100)), limit))
+        )
+    ) is None:
+        return
+    # Whole ids, however narrow the terminal: they are what the other commands take.
+    table = Table(Column("id", no_wrap=True, min_width=32), "name", "status", "step", "owner", "created")
+    for j in jobs:
+        p = j.progress
+        # Text objects, not strings: a job's name is the user's, never markup.
         table.add_row(
-            j["id"], j["name"], j["status"], f"{p['step']}/{p['total_steps']}", j["owner"], j["created_at"]
+            *map(inert, (j.id, j.name, j.status.value, f"{p.step}/{p.total_steps}", j.owner)),
+            inert(j.created_at.isoformat()),
         )
     out.print(table)
 
 
 @app.command()
-def cancel(job_id: str) -> None:
+def cancel(job_id: str, output: Output = OUTPUT) -> None:
     """Cancel a job."""
-    try:
-        job = Client.from_env().cancel(job_id)
-    except ApiError as exc:
-        raise _refused(exc) from exc
-    out.print(f"job {job_id}: {job['status']}" + (" (stop requested)" if job.get("cancel_requested") else ""))
+    if (job := _fetch(output, lambda c: c.cancel(job_id))) is None:
+        return
+    say(f"job {job_id}: {job.status.value}" + (" (stop requested)" if job.cancel_requested else ""))
 
 
 @app.command()
@@ -235,27 +282,71 @@ def logs(
     job_id: str,
     rank: int | None = typer.Option(None, help="Only this rank."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep reading until the job ends."),
+    output: Output = OUTPUT,
 ) -> None:
-    """Print a job's per-rank output."""
-    client = Client.from_env()
-    cursor: int | None = None
-    try:
-        while True:
-            page = client.logs(job_id, after=cursor, rank=rank)
-            for line in page["items"]:
-                who = "launcher" if line["rank"] is None else f"rank{line['rank']}"
-                out.print(f"[dim]{who}[/dim] {line['line']}", markup=True, highlight=False)
-            cursor = page["next_cursor"]
-            if not follow:
-                if page["items"]:
-                    continue
-                return
-            if not page["items"]:
-                if JobStatus(client.get(job_id)["status"]).is_terminal():
-                    return
-                time.sleep(1.0)
-    except ApiError as exc:
-        raise _refused(exc) from exc
+    """Print a job's per-rank output, each line whole (JSON lines with --output json)."""
+    with _api() as client:
+        for line in client.logs(job_id, rank=rank, follow=follow):
+            if output is Output.json:
+                emit_json(line, lines=True)
+            else:
+                who = "launcher" if line.rank is None else f"rank{line.rank}"
+                say(f"{who} {line.line}")
+
+
+@app.command()
+def checkpoints(job_id: str, output: Output = OUTPUT) -> None:
+    """List a job's checkpoints, oldest first."""
+    if (items := _fetch(output, lambda c: c.checkpoints(job_id))) is None:
+        return
+    table = Table("id", "step", "size", "created", "best", "sha256")
+    for c in items:
+        table.add_row(
+            str(c.id),
+            str(c.step),
+            decimal(c.size_bytes),
+            c.created_at.isoformat(),
+            "*" if c.best else "",
+            c.sha256[:12],
+        )
+    out.print(table)
+
+
+@app.command()
+def download(
+    job_id: str,
+    step: int | None = typer.Option(
+        None, "--step", help="The checkpoint of this step (default: the newest)."
+    ),
+    best: bool = typer.Option(False, "--best", help="The job's best checkpoint (checkpoint.keep_best)."),
+    dest: Path = typer.Option(..., "-o", "--out", dir_okay=False, help="Where to write the file."),
+    output: Output = OUTPUT,
+) -> None:
+    """Download a checkpoint, checked against its sha256; load it with torch.load(weights_only=True)."""
+    with _api() as client:
+        ckpt = client.download(job_id, dest, step=step, best=best)
+    if output is Output.json:
+        emit_json({"path": str(dest), "checkpoint": ckpt.model_dump(mode="json")})
+        return
+    say(f"{dest}: step {ckpt.step}, {decimal(ckpt.size_bytes)}, sha256 {ckpt.sha256[:12]}")
+
+
+@app.command()
+def watch(
+    job_id: str,
+    interval: float = typer.Option(2.0, min=0.2, help="Seconds between refreshes."),
+    output: Output = OUTPUT,
+) -> None:
+    """Watch a job live: status, progress, loss and eval loss, until it ends; exits like submit --wait."""
+    with _api() as client:
+        try:
+            job = watch_job(client, job_id, interval=interval, as_json=output is Output.json)
+        except httpx.HTTPError as exc:
+            say(f"lost the API: {exc}", stderr=True)
+            raise typer.Exit(EXIT_FAILED) from exc
+    if output is Output.text:
+        _report_end(job)
+    raise typer.Exit(_exit_for(job))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import yaml
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner, Result
 
-from dptrain_cli.client import Client
+from dptrain.client import Client
 from dptrain_cli.main import app
 from tests.conftest import job_spec
 
@@ -21,8 +21,9 @@ def use_http(monkeypatch: pytest.MonkeyPatch, http: httpx.Client) -> None:
     """Make every `Client.from_env()` of the CLI talk through `http`."""
 
     def from_env(cls: type[Client]) -> Client:
-        client = cls("http://testserver", token=None)
-        client.http = http
+        client = cls("http://testserver", token="", http=http)
+        # The test's connection serves every command it runs: a command's close must not end it.
+        client.close = lambda: None  # type: ignore[method-assign]
         return client
 
     monkeypatch.setattr(Client, "from_env", classmethod(from_env))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from dptrain_cli.client import Client
+from dptrain.client import Client
 from tests.cli.conftest import dptrain, flat
 
 
@@ -25,7 +25,7 @@ def test_an_archive_over_the_limit_exits_3_listing_the_largest_paths(
     def no_upload(*_: Any) -> bool:
         raise AssertionError("the CLI must refuse before uploading: HEAD told it the server's limit")
 
-    monkeypatch.setattr(Client, "upload_code", no_upload)
+    monkeypatch.setattr(Client, "upload_archive", no_upload)
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     (work / "train.py").write_text("print('hello')\n")

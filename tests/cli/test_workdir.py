@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from dptrain_cli.client import Client
+from dptrain.client import Client
 from tests.api_fixtures import as_user
 from tests.cli.conftest import dptrain, flat, use_http
 
@@ -43,13 +43,13 @@ def test_the_same_tree_is_uploaded_once_and_both_jobs_run_it(
     api: TestClient, spec_file: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     puts: list[str] = []
-    upload = Client.upload_code
+    upload = Client.upload_archive
 
     def counted(self: Client, sha256: str, path: Path) -> bool:
         puts.append(sha256)
         return upload(self, sha256, path)
 
-    monkeypatch.setattr(Client, "upload_code", counted)
+    monkeypatch.setattr(Client, "upload_archive", counted)
     work = tree(tmp_path / "work")
     (work / "outside").symlink_to(tmp_path)
     spec = spec_file(recipe=None, command=["python", "train.py"], code={"sha256": "0" * 64})
