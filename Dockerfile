@@ -8,7 +8,9 @@ COPY api_schemas api_schemas
 COPY service service
 COPY workers workers
 COPY migrations migrations
+COPY dptrain dptrain
 COPY dptrain_cli dptrain_cli
-RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX" .
+# [all]: the same image runs the API and the workers (a bare `.` would be the client alone).
+RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX" '.[all]'
 ENV DPTRAIN_ARTIFACT_ROOT=/artifacts
 ENTRYPOINT ["dptrain"]
