@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from service.db import insert_for
@@ -41,6 +41,16 @@ def add_token(session: Session, *, user_id: int, token_hash: str) -> None:
         .on_conflict_do_nothing(index_elements=[ApiToken.token_hash])
     )
     session.execute(stmt)
+
+
+def live_token_count(session: Session, *, user_id: int) -> int:
+    """How many unrevoked tokens a user holds, with the user's row locked until the commit.
+
+    Locked so that two concurrent mints cannot both pass a cap (PostgreSQL; SQLite has one writer anyway).
+    """
+    session.execute(select(User.id).where(User.id == user_id).with_for_update())
+    stmt = select(func.count()).where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
+    return int(session.execute(stmt).scalar_one())
 
 
 def revoke_tokens(session: Session, *, user_id: int, now: datetime) -> int:

@@ -50,7 +50,13 @@ def grant(session: Session, *, actor: User | None, name: str, can_run_code: bool
     return to_info(user)
 
 
-def _issue(session: Session, *, user: User) -> IssuedToken:
+def _issue(session: Session, *, user: User, max_tokens: int | None = None) -> IssuedToken:
+    if max_tokens is not None and repository.live_token_count(session, user_id=user.id) >= max_tokens:
+        # Each token is a credential to revoke one day: a cap keeps that list short and bounded.
+        raise Conflict(
+            f"user {user.name!r} already has {max_tokens} live tokens (DPTRAIN_MAX_TOKENS_PER_USER); "
+            f"revoke them (DELETE /v1/users/{user.name}/tokens) before issuing another"
+        )
     token = new_token()
     repository.add_token(session, user_id=user.id, token_hash=hash_token(token))
     return IssuedToken(name=user.name, admin=user.is_admin, can_run_code=user.can_run_code, token=token)
@@ -67,9 +73,9 @@ def _target(session: Session, *, actor: User | None, name: str) -> User:
     return user
 
 
-def issue_token(session: Session, *, actor: User | None, name: str) -> IssuedToken:
-    """Another token for `name` (admins: anyone; users: themselves)."""
-    return _issue(session, user=_target(session, actor=actor, name=name))
+def issue_token(session: Session, *, actor: User | None, name: str, max_tokens: int) -> IssuedToken:
+    """Another token for `name` (admins: anyone; users: themselves); Conflict past `max_tokens` live ones."""
+    return _issue(session, user=_target(session, actor=actor, name=name), max_tokens=max_tokens)
 
 
 def revoke_tokens(session: Session, *, actor: User | None, name: str) -> int:

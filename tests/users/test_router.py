@@ -67,6 +67,18 @@ class TestTokens:
             "an admin can give a revoked user a new token"
         )
 
+    def test_minting_past_the_live_token_cap_is_409_saying_why(self, client: TestClient, db: Session) -> None:
+        settings = client.app.state.settings  # type: ignore[attr-defined]
+        client.app.state.settings = settings.model_copy(update={"max_tokens_per_user": 2})  # type: ignore[attr-defined]
+        token = add_user(db, "hugo")  # live token 1 of 2
+        assert client.post("/v1/users/hugo/tokens", headers=as_user(token)).status_code == 201
+        r = client.post("/v1/users/hugo/tokens", headers=as_user(token))
+        assert r.status_code == 409, f"a third live token is over the cap of 2, got {r.status_code}: {r.text}"
+        assert r.json()["error"] == "Conflict" and "2 live tokens" in r.json()["detail"], r.json()
+        assert client.delete("/v1/users/hugo/tokens").status_code == 204
+        r = client.post("/v1/users/hugo/tokens")
+        assert r.status_code == 201, f"revoked tokens do not count, got {r.status_code}: {r.text}"
+
     def test_a_user_manages_only_their_own_tokens(self, client: TestClient, db: Session) -> None:
         frank, grace = add_user(db, "frank"), add_user(db, "grace")
         for method in ("POST", "DELETE"):
