@@ -22,7 +22,12 @@ def to_info(user: User) -> UserInfo:
 
 def create(session: Session, *, name: str, admin: bool, can_run_code: bool = False) -> IssuedToken:
     """Create a user with a first token (the token is returned here and never again); Conflict if taken."""
-    user = repository.create(session, name=name, is_admin=admin, can_run_code=can_run_code)
+    # Looked up first to name the existing user (`alice` when `Alice` is asked for); the insert
+    # still refuses a name taken meanwhile.
+    taken = repository.by_name(session, name=name)
+    if taken is not None and taken.name != name:
+        raise Conflict(f"user {name!r} already exists as {taken.name!r} (names ignore case)")
+    user = None if taken else repository.create(session, name=name, is_admin=admin, can_run_code=can_run_code)
     if user is None:
         raise Conflict(f"user {name!r} already exists")
     return _issue(session, user=user)
@@ -64,8 +69,9 @@ def _issue(session: Session, *, user: User, max_tokens: int | None = None) -> Is
 
 def _target(session: Session, *, actor: User | None, name: str) -> User:
     # An admin (or the server-side CLI, actor None) may act on anyone; a user only on themselves.
-    # Another's name answers 404 like an unknown one, so names do not leak.
-    if actor is not None and not actor.is_admin and actor.name != name:
+    # Another's name answers 404 like an unknown one, so names do not leak. Names match whatever
+    # their case, as the lookup does (the API's names are ASCII: Python's and SQL's lower() agree).
+    if actor is not None and not actor.is_admin and actor.name.lower() != name.lower():
         raise NotFound(f"user {name!r} not found")
     user = repository.by_name(session, name=name)
     if user is None:

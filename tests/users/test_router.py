@@ -50,6 +50,21 @@ class TestCreate:
         assert r.status_code == 201, f"a new admin can create users, got {r.status_code}"
 
 
+class TestNamesIgnoreCase:
+    def test_alice_after_alice_is_409_and_lookups_ignore_case(self, client: TestClient, db: Session) -> None:
+        token = client.post("/v1/users", json={"name": "alice"}).json()["token"]
+        r = client.post("/v1/users", json={"name": "Alice"})
+        assert r.status_code == 409, f"Alice after alice must be 409, got {r.status_code}: {r.text}"
+        assert r.json()["error"] == "Conflict" and "'alice'" in r.json()["detail"], r.json()
+        assert db.execute(select(User.name).where(User.name == "Alice")).first() is None, "no user was made"
+        r = client.patch("/v1/users/ALICE/permissions", json={"can_run_code": True})
+        assert r.status_code == 200 and r.json()["name"] == "alice", (
+            f"PATCH by any case finds alice: {r.text}"
+        )
+        r = client.post("/v1/users/Alice/tokens", headers=as_user(token))
+        assert r.status_code == 201, f"alice may mint her own token under any case, got {r.status_code}"
+
+
 class TestTokens:
     def test_revoking_is_immediate_for_every_token_of_the_user(self, client: TestClient, db: Session) -> None:
         first = add_user(db, "erin")
