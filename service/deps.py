@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -195,6 +195,22 @@ def _lookup(sessions: sessionmaker[Session], digest: str) -> User | None:
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]
+
+
+def token_check(request: Request) -> Callable[[], Awaitable[bool]]:
+    """Whether the request's bearer token is still live, asked again later (an open event stream).
+
+    Through the token cache, so it is as fresh as any request's check (`DPTRAIN_AUTH_CACHE_SECONDS`)
+    and costs at most one lookup per token per cache period however many streams ask.
+    """
+    digest = hash_token(request.headers.get("authorization", "").partition(" ")[2])
+    cache: TokenCache = request.app.state.token_cache
+    sessions = request.app.state.session_factory
+
+    async def live() -> bool:
+        return await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest)) is not None
+
+    return live
 
 
 def after_commit(session: Session, callback: Callable[[], None]) -> None:
