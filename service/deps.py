@@ -167,8 +167,7 @@ class BearerUser(HTTPBearer):
             wait = limiter.take(f"token:{digest}")
             if wait is not None:
                 raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
-            sessions = request.app.state.session_factory
-            user = await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest))
+            user = await _cached_user(request, digest)
             if user is None:
                 raise Unauthorized()
         # Keyed by user, not token: a user may mint tokens, and each would otherwise bring a fresh burst.
@@ -181,6 +180,12 @@ class BearerUser(HTTPBearer):
 
 
 get_current_user = BearerUser()
+
+
+async def _cached_user(request: Request, digest: str) -> User | None:
+    cache: TokenCache = request.app.state.token_cache
+    sessions = request.app.state.session_factory
+    return await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest))
 
 
 def _lookup(sessions: sessionmaker[Session], digest: str) -> User | None:
@@ -204,11 +209,9 @@ def token_check(request: Request) -> Callable[[], Awaitable[bool]]:
     and costs at most one lookup per token per cache period however many streams ask.
     """
     digest = hash_token(request.headers.get("authorization", "").partition(" ")[2])
-    cache: TokenCache = request.app.state.token_cache
-    sessions = request.app.state.session_factory
 
     async def live() -> bool:
-        return await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest)) is not None
+        return await _cached_user(request, digest) is not None
 
     return live
 
