@@ -11,9 +11,14 @@ from pydantic import BaseModel, Field
 class Worker(BaseModel):
     """One worker node: what it runs on, how busy it is, when it last reported."""
 
-    name: str = Field(description="The node name (DPTRAIN_NODE_NAME), as in the jobs it runs.")
-    hostname: str
-    address: str = Field(description="Where other nodes reach it (rendezvous, collectives).")
+    name: str = Field(
+        description="The node name (DPTRAIN_NODE_NAME). Non-admins see `node-<12 hex>` instead where the "
+        "name would give away the host name or address (by default it is the host name)."
+    )
+    hostname: str | None = Field(description="The host's name; null for non-admins.")
+    address: str | None = Field(
+        description="Where other nodes reach it (rendezvous, collectives); null for non-admins."
+    )
     device: Literal["cpu", "cuda"]
     device_count: int = Field(description="GPUs for a cuda worker, logical CPU cores for a cpu worker.")
     slots: int = Field(description="Rank processes it runs at once; a job takes `processes_per_node`.")

@@ -49,7 +49,8 @@ def create(
 @app.command()
 def token(name: str) -> None:
     """Issue another token for a user and print it once."""
-    issued = _in_db(lambda s: service.issue_token(s, actor=None, name=name))
+    cap = get_settings().max_tokens_per_user
+    issued = _in_db(lambda s: service.issue_token(s, actor=None, name=name, max_tokens=cap))
     out.print(issued.token, markup=False, highlight=False)
 
 

@@ -85,10 +85,13 @@ class Settings(BaseSettings):
     max_log_page_size: int = Field(10_000, ge=1)
     # Larger request bodies answer 413; the bytes are counted, not just Content-Length.
     max_request_body_bytes: int = Field(1 << 20, ge=1024)
-    # Per-token token bucket, in this API process: `rate_limit_per_second` sustained, bursts up to
-    # `rate_limit_burst`; beyond it 429 with Retry-After. 0 turns it off.
+    # Per-user token bucket (all of a user's tokens share it), in this API process:
+    # `rate_limit_per_second` sustained, bursts up to `rate_limit_burst`; beyond it 429 with
+    # Retry-After. 0 turns it off.
     rate_limit_per_second: float = Field(20.0, ge=0)
     rate_limit_burst: int = Field(100, ge=1)
+    # Live (unrevoked) tokens a user may hold; minting another answers 409 until some are revoked.
+    max_tokens_per_user: int = Field(20, ge=1)
     # A user's jobs running at once (admins included); placement leaves the rest queued, with a reason.
     max_running_jobs_per_user: int = Field(4, ge=1)
     # uvicorn's access log, a line per request (`dptrain api`).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -139,7 +139,7 @@ SchedulerDep = Annotated[Kicker, Depends(get_scheduler)]
 
 
 class BearerUser(HTTPBearer):
-    """The user of the request's bearer token, or 401; 429 once the token spent its rate limit.
+    """The user of the request's bearer token, or 401; 429 once the user spent their rate limit.
 
     Looked up in the process's token cache first (`DPTRAIN_AUTH_CACHE_SECONDS`), in the database
     only on a miss; the cached user is detached and read-only.
@@ -158,20 +158,34 @@ class BearerUser(HTTPBearer):
         if scheme.lower() != "bearer" or not token:
             raise Unauthorized()
         digest = hash_token(token)
-        # Counted before the lookup, so a flood with one (even invalid) token costs no database work.
         limiter: TokenBuckets = request.app.state.rate_limiter
-        wait = limiter.take(digest)
-        if wait is not None:
-            raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
         cache: TokenCache = request.app.state.token_cache
-        sessions = request.app.state.session_factory
-        user = await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest))
+        user = cache.get(digest)
         if user is None:
-            raise Unauthorized()
+            # A token the cache does not hold is counted on a bucket of its own before the lookup,
+            # so a flood with one (even invalid) token costs no database work.
+            wait = limiter.take(f"token:{digest}")
+            if wait is not None:
+                raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
+            user = await _cached_user(request, digest)
+            if user is None:
+                raise Unauthorized()
+        # Keyed by user, not token: a user may mint tokens, and each would otherwise bring a fresh burst.
+        wait = limiter.take(f"user:{user.id}")
+        if wait is not None:
+            raise TooManyRequests(
+                "rate limit of this user exceeded (all of a user's tokens share it)", retry_after=wait
+            )
         return user
 
 
 get_current_user = BearerUser()
+
+
+async def _cached_user(request: Request, digest: str) -> User | None:
+    cache: TokenCache = request.app.state.token_cache
+    sessions = request.app.state.session_factory
+    return await cache.user_for(digest, lambda: run_in_threadpool(_lookup, sessions, digest))
 
 
 def _lookup(sessions: sessionmaker[Session], digest: str) -> User | None:
@@ -186,6 +200,20 @@ def _lookup(sessions: sessionmaker[Session], digest: str) -> User | None:
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]
+
+
+def token_check(request: Request) -> Callable[[], Awaitable[bool]]:
+    """Whether the request's bearer token is still live, asked again later (an open event stream).
+
+    Through the token cache, so it is as fresh as any request's check (`DPTRAIN_AUTH_CACHE_SECONDS`)
+    and costs at most one lookup per token per cache period however many streams ask.
+    """
+    digest = hash_token(request.headers.get("authorization", "").partition(" ")[2])
+
+    async def live() -> bool:
+        return await _cached_user(request, digest) is not None
+
+    return live
 
 
 def after_commit(session: Session, callback: Callable[[], None]) -> None:

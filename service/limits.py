@@ -1,4 +1,4 @@
-"""Request limits: a body-size cap (413) and a per-token rate limit (429)."""
+"""Request limits: a body-size cap (413) and a per-user rate limit (429)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class TokenBuckets:
-    """One token bucket per key (a token's hash), in this process: `rate` per second, up to `burst`.
+    """One token bucket per key (a user, an uncached token) in this process: `rate` per second, up to `burst`.
 
     In-process on purpose: no round trip per request. Several API processes each keep their own
     buckets, so the effective limit is per process (docs/api.md says so).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -26,6 +26,8 @@ KEEPALIVE_SECONDS = 15.0
 MAX_POINTS_PER_POLL = 10_000
 
 Event = tuple[str, Any]
+# The last event of a stream whose token was revoked while it was open (the error body of a 401).
+REVOKED = {"error": "Unauthorized", "detail": "the token of this stream was revoked"}
 
 
 @dataclass
@@ -99,9 +101,17 @@ def _frame(event_id: int, kind: str, data: Any) -> str:
 
 
 async def stream(
-    *, sessions: Callable[[], Session], state: StreamState, poll_seconds: float
+    *,
+    sessions: Callable[[], Session],
+    state: StreamState,
+    poll_seconds: float,
+    authorized: Callable[[], Awaitable[bool]],
 ) -> AsyncIterator[str]:
-    """SSE frames until the job ends; each poll opens and closes its own session in a worker thread."""
+    """SSE frames until the job ends or `authorized()` turns False; each poll has its own session.
+
+    `authorized` is asked before every poll but the first (the request was just authenticated):
+    a stream outlives its request, so without it a revoked token would keep reading the job.
+    """
 
     def _poll_once() -> list[Event]:
         with sessions() as session:
@@ -121,3 +131,8 @@ async def stream(
             yield ": keep-alive\n\n"
             last_sent = time.monotonic()
         await anyio.sleep(poll_seconds)
+        if not await authorized():
+            # A last event rather than a bare close, so a client knows not to reconnect as it would
+            # after a dropped connection.
+            yield _frame(event_id + 1, "error", REVOKED)
+            return

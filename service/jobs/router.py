@@ -32,6 +32,7 @@ from service.deps import (
     after_commit,
     run_in_transaction,
     run_read,
+    token_check,
 )
 from service.errors import (
     Conflict,
@@ -281,7 +282,10 @@ def job_events(
     # keep-alive at the latest), and the keep-alive comment must follow silence, not a clock.
     return StreamingResponse(
         events.stream(
-            sessions=request.app.state.session_factory, state=state, poll_seconds=settings.sse_poll_seconds
+            sessions=request.app.state.session_factory,
+            state=state,
+            poll_seconds=settings.sse_poll_seconds,
+            authorized=token_check(request),
         ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

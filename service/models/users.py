@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ForeignKey, String
+from sqlalchemy import ForeignKey, Index, String, func
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.models.base import Base, utcnow
@@ -19,6 +19,11 @@ class User(Base):
     # May upload code and submit jobs that run it (an entrypoint, a command); admins always may.
     can_run_code: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+# `Alice` and `alice` are one user: names are unique whatever their case (migration 0011), and
+# looked up by lower(name), which this index also serves.
+Index("uq_users_name_lower", func.lower(User.name), unique=True)
 
 
 class ApiToken(Base):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from service.db import insert_for
@@ -12,16 +12,18 @@ from service.models import ApiToken, User
 
 
 def by_name(session: Session, *, name: str) -> User | None:
-    """A user by name."""
-    return session.execute(select(User).where(User.name == name)).scalar_one_or_none()
+    """A user by name, whatever its case (names are unique by lower(name))."""
+    stmt = select(User).where(func.lower(User.name) == func.lower(name))
+    return session.execute(stmt).scalar_one_or_none()
 
 
 def create(session: Session, *, name: str, is_admin: bool, can_run_code: bool = False) -> User | None:
-    """Insert a user; None if the name is taken (the unique constraint decides, even under a race)."""
+    """Insert a user; None if the name is taken in any case (the unique indexes decide, even under a race)."""
     stmt = (
         insert_for(session, User)
         .values(name=name, is_admin=is_admin, can_run_code=can_run_code)
-        .on_conflict_do_nothing(index_elements=[User.name])
+        # No conflict target: the name's exact and lower-case indexes both refuse a taken name.
+        .on_conflict_do_nothing()
         .returning(User.id)
     )
     user_id = session.execute(stmt).scalar_one_or_none()
@@ -41,6 +43,16 @@ def add_token(session: Session, *, user_id: int, token_hash: str) -> None:
         .on_conflict_do_nothing(index_elements=[ApiToken.token_hash])
     )
     session.execute(stmt)
+
+
+def live_token_count(session: Session, *, user_id: int) -> int:
+    """How many unrevoked tokens a user holds, with the user's row locked until the commit.
+
+    Locked so that two concurrent mints cannot both pass a cap (PostgreSQL; SQLite has one writer anyway).
+    """
+    session.execute(select(User.id).where(User.id == user_id).with_for_update())
+    stmt = select(func.count()).where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
+    return int(session.execute(stmt).scalar_one())
 
 
 def revoke_tokens(session: Session, *, user_id: int, now: datetime) -> int:

@@ -6,7 +6,7 @@ from fastapi import Response, status
 
 from api_schemas import IssuedToken, UserCreate, UserInfo
 from api_schemas.users import UserUpdate
-from service.deps import CurrentUser, SessionDep
+from service.deps import CurrentUser, SessionDep, SettingsDep
 from service.errors import (
     Conflict,
     Forbidden,
@@ -50,11 +50,11 @@ def update_user(name: UserPath, body: UserUpdate, session: SessionDep, user: Cur
     "/{name}/tokens",
     status_code=status.HTTP_201_CREATED,
     response_model=IssuedToken,
-    responses=error_responses(NotFound),
+    responses=error_responses(NotFound, Conflict),
 )
-def issue_token(name: UserPath, session: SessionDep, user: CurrentUser) -> IssuedToken:
+def issue_token(name: UserPath, session: SessionDep, user: CurrentUser, settings: SettingsDep) -> IssuedToken:
     """Issue another token for a user (admins: anyone; users: themselves), shown this once."""
-    return service.issue_token(session, actor=user, name=name)
+    return service.issue_token(session, actor=user, name=name, max_tokens=settings.max_tokens_per_user)
 
 
 @router.delete(

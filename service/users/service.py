@@ -22,7 +22,12 @@ def to_info(user: User) -> UserInfo:
 
 def create(session: Session, *, name: str, admin: bool, can_run_code: bool = False) -> IssuedToken:
     """Create a user with a first token (the token is returned here and never again); Conflict if taken."""
-    user = repository.create(session, name=name, is_admin=admin, can_run_code=can_run_code)
+    # Looked up first to name the existing user (`alice` when `Alice` is asked for); the insert
+    # still refuses a name taken meanwhile.
+    taken = repository.by_name(session, name=name)
+    if taken is not None and taken.name != name:
+        raise Conflict(f"user {name!r} already exists as {taken.name!r} (names ignore case)")
+    user = None if taken else repository.create(session, name=name, is_admin=admin, can_run_code=can_run_code)
     if user is None:
         raise Conflict(f"user {name!r} already exists")
     return _issue(session, user=user)
@@ -50,7 +55,13 @@ def grant(session: Session, *, actor: User | None, name: str, can_run_code: bool
     return to_info(user)
 
 
-def _issue(session: Session, *, user: User) -> IssuedToken:
+def _issue(session: Session, *, user: User, max_tokens: int | None = None) -> IssuedToken:
+    if max_tokens is not None and repository.live_token_count(session, user_id=user.id) >= max_tokens:
+        # Each token is a credential to revoke one day: a cap keeps that list short and bounded.
+        raise Conflict(
+            f"user {user.name!r} already has {max_tokens} live tokens (DPTRAIN_MAX_TOKENS_PER_USER); "
+            f"revoke them (DELETE /v1/users/{user.name}/tokens) before issuing another"
+        )
     token = new_token()
     repository.add_token(session, user_id=user.id, token_hash=hash_token(token))
     return IssuedToken(name=user.name, admin=user.is_admin, can_run_code=user.can_run_code, token=token)
@@ -58,8 +69,9 @@ def _issue(session: Session, *, user: User) -> IssuedToken:
 
 def _target(session: Session, *, actor: User | None, name: str) -> User:
     # An admin (or the server-side CLI, actor None) may act on anyone; a user only on themselves.
-    # Another's name answers 404 like an unknown one, so names do not leak.
-    if actor is not None and not actor.is_admin and actor.name != name:
+    # Another's name answers 404 like an unknown one, so names do not leak. Names match whatever
+    # their case, as the lookup does (the API's names are ASCII: Python's and SQL's lower() agree).
+    if actor is not None and not actor.is_admin and actor.name.lower() != name.lower():
         raise NotFound(f"user {name!r} not found")
     user = repository.by_name(session, name=name)
     if user is None:
@@ -67,9 +79,9 @@ def _target(session: Session, *, actor: User | None, name: str) -> User:
     return user
 
 
-def issue_token(session: Session, *, actor: User | None, name: str) -> IssuedToken:
-    """Another token for `name` (admins: anyone; users: themselves)."""
-    return _issue(session, user=_target(session, actor=actor, name=name))
+def issue_token(session: Session, *, actor: User | None, name: str, max_tokens: int) -> IssuedToken:
+    """Another token for `name` (admins: anyone; users: themselves); Conflict past `max_tokens` live ones."""
+    return _issue(session, user=_target(session, actor=actor, name=name), max_tokens=max_tokens)
 
 
 def revoke_tokens(session: Session, *, actor: User | None, name: str) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 
 from sqlalchemy.orm import Session
 
 from api_schemas import Worker, WorkerList
 from service.models import User
+from service.models import Worker as WorkerRow
 from service.models.base import utcnow
 from service.workers import repository
 
@@ -18,7 +20,7 @@ LOST_AFTER_BEATS = 3
 def list_workers(
     session: Session, *, user: User, heartbeat_seconds: float, now: datetime | None = None
 ) -> WorkerList:
-    """Every known worker node with its free slots; non-admins see only their own jobs' ids."""
+    """Every known worker node with its free slots; non-admins see no host or address, only their jobs."""
     now = now or utcnow()
     running: dict[str, list[str]] = {}
     busy: dict[str, int] = {}
@@ -31,9 +33,9 @@ def list_workers(
         age = max(0.0, (now - w.last_heartbeat).total_seconds())
         items.append(
             Worker(
-                name=w.name,
-                hostname=w.hostname,
-                address=w.address,
+                name=w.name if user.is_admin else _public_name(w),
+                hostname=w.hostname if user.is_admin else None,
+                address=w.address if user.is_admin else None,
                 device="cuda" if w.device == "cuda" else "cpu",
                 device_count=w.device_count,
                 slots=w.slots,
@@ -45,3 +47,16 @@ def list_workers(
             )
         )
     return WorkerList(items=items)
+
+
+def _public_name(w: WorkerRow) -> str:
+    # Where the node's name gives away its host (the default name is the host name) or its address,
+    # a user sees an alias instead. It is a hash of the name and the row's start, not of the name
+    # alone (a host name is easy to guess, so its hash would be easy to reverse); it stays the same
+    # while the node keeps beating and is new once a node that stopped cleanly comes back.
+    name = w.name.lower()
+    revealing = [w.hostname.lower(), w.hostname.lower().split(".")[0], w.address.lower()]
+    if not any(part and part in name for part in revealing):
+        return w.name
+    digest = hashlib.sha256(f"{w.name}\n{w.started_at.isoformat()}".encode()).hexdigest()
+    return f"node-{digest[:12]}"

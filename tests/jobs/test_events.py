@@ -20,7 +20,8 @@ from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, repository
 from service.models.base import utcnow
-from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler
+from service.users import repository as users
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler, as_user
 
 
 @pytest.fixture
@@ -144,3 +145,34 @@ def test_first_metrics_event_honours_since_step(live: tuple[httpx.Client, sessio
     kinds = [kind for _, kind, _ in seen]
     assert kinds == ["job", "metrics", "end"], f"a finished job: job, metrics, end; got {kinds}"
     assert seen[1][2]["series"]["loss"] == [[7, 7.0], [8, 8.0], [9, 9.0]], seen[1][2]
+
+
+def test_a_stream_ends_with_an_error_event_once_its_token_is_revoked(
+    live: tuple[httpx.Client, sessionmaker[Session]],
+) -> None:
+    client, sessions = live
+    token = client.post("/v1/users", json={"name": "rita"}).json()["token"]
+    job_id = client.post("/v1/jobs", json=SPEC, headers=as_user(token)).json()["id"]
+    seen: list[tuple[str, Any]] = []
+    revoked_at = 0.0
+    # The job stays queued, so only the revocation can end this stream; a read timeout fails it
+    # rather than let it hang on keep-alives.
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=as_user(token), timeout=5) as r:
+        assert r.status_code == 200, f"expected 200, got {r.status_code}"
+        for _, kind, data in _events(r):
+            seen.append((kind, data))
+            if len(seen) == 1:
+                # Straight in the database, as the CLI or another API process would: this server
+                # hears nothing and learns it when its cached entry of the token expires.
+                with sessions.begin() as s:
+                    user = users.by_name(s, name="rita")
+                    assert user is not None
+                    users.revoke_tokens(s, user_id=user.id, now=utcnow())
+                revoked_at = time.monotonic()
+    took = time.monotonic() - revoked_at
+    assert [kind for kind, _ in seen] == ["job", "error"], f"expected job, then error: {seen}"
+    assert seen[-1][1] == {"error": "Unauthorized", "detail": "the token of this stream was revoked"}, seen
+    # The cache's bound (DPTRAIN_AUTH_CACHE_SECONDS, 1 s) and a poll (0.05 s), with room for a slow host.
+    assert took < 1.0 + 0.05 + 1.5, (
+        f"the stream must end within the cache window and a poll, took {took:.2f} s"
+    )

@@ -11,7 +11,7 @@ from service.config import Settings
 from service.models import Worker
 from service.models.base import utcnow
 from service.scheduling.service import schedule_once
-from tests.api_fixtures import RecordingDispatcher, submit
+from tests.api_fixtures import RecordingDispatcher, add_user, as_user, register_node, submit
 from workers.heartbeat import Heartbeat
 
 
@@ -54,3 +54,34 @@ def test_a_stopped_heartbeat_removes_its_worker(sessions: sessionmaker[Session],
     heartbeat.run()  # in this thread: one beat, then the stop is seen and the row removed
     db.expire_all()
     assert db.get(Worker, "host-b:7") is None, "a worker that stops cleanly removes its row"
+
+
+def test_only_admins_see_host_names_and_addresses(
+    client: TestClient, sessions: sessionmaker[Session], db: Session
+) -> None:
+    # register_node records the host name "test-host": one node is named after it (the default),
+    # the other was named by its operator.
+    register_node(sessions, name="test-host", slots=2, address="10.0.0.7")
+    register_node(sessions, name="gpu-a", slots=1, address="10.0.0.8")
+    admin = client.get("/v1/workers").json()["items"]
+    assert [(w["name"], w["hostname"], w["address"]) for w in admin] == [
+        ("gpu-a", "test-host", "10.0.0.8"),
+        ("test-host", "test-host", "10.0.0.7"),
+    ], f"an admin sees every name, host name and address: {admin}"
+
+    r = client.get("/v1/workers", headers=as_user(add_user(db, "una")))
+    users = r.json()["items"]
+    assert "test-host" not in r.text and "10.0.0." not in r.text, (
+        f"a user must see no host or address: {r.text}"
+    )
+    assert all(w["hostname"] is None and w["address"] is None for w in users), users
+    names = sorted(w["name"] for w in users)
+    assert names[0] == "gpu-a" and names[1].startswith("node-") and len(names[1]) == 17, (
+        f"a name that is not the host's stays, the host's becomes node-<12 hex>: {names}"
+    )
+    capacity = sorted((w["device"], w["slots"], w["free_slots"], w["status"]) for w in users)
+    assert capacity == sorted((w["device"], w["slots"], w["free_slots"], w["status"]) for w in admin), (
+        f"a user sees the same capacity as an admin: {users}"
+    )
+    again = client.get("/v1/workers", headers=as_user(add_user(db, "vera"))).json()["items"]
+    assert sorted(w["name"] for w in again) == names, "the alias is the same on every look"

@@ -1,4 +1,4 @@
-"""Request limits: body size (413), per-token rate (429 with Retry-After), page size (422 naming `limit`)."""
+"""Request limits: body size (413), per-user rate (429 with Retry-After), page size (422 naming `limit`)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,21 @@ class TestRateLimit:
         assert r.status_code == 429 and r.json()["error"] == "TooManyRequests", r.text
         assert int(r.headers["retry-after"]) >= 1, f"Retry-After in whole seconds, got {r.headers}"
         assert client.get("/v1/jobs", headers=as_user(other)).status_code == 200, (
-            "another token has its own bucket"
+            "another user has their own bucket"
         )
+
+    def test_the_tokens_of_one_user_share_one_bucket(self, client: TestClient, db: Session) -> None:
+        token = add_user(db, "ilse")
+        second = client.post("/v1/users/ilse/tokens").json()["token"]
+        client.app.state.rate_limiter = TokenBuckets(rate=0.001, burst=3)  # type: ignore[attr-defined]
+        codes = [
+            client.get("/v1/jobs", headers=as_user(t)).status_code for t in (token, second, token, second)
+        ]
+        assert codes == [200, 200, 200, 429], f"two tokens of one user spend one burst of 3, got {codes}"
+        third = client.post("/v1/users/ilse/tokens").json()["token"]
+        r = client.get("/v1/jobs", headers=as_user(third))
+        assert r.status_code == 429, f"a freshly minted token brings no fresh burst, got {r.status_code}"
+        assert "user" in r.json()["detail"], r.json()
 
     def test_the_bucket_refills_at_its_rate(self) -> None:
         now = [0.0]

@@ -50,6 +50,21 @@ class TestCreate:
         assert r.status_code == 201, f"a new admin can create users, got {r.status_code}"
 
 
+class TestNamesIgnoreCase:
+    def test_alice_after_alice_is_409_and_lookups_ignore_case(self, client: TestClient, db: Session) -> None:
+        token = client.post("/v1/users", json={"name": "alice"}).json()["token"]
+        r = client.post("/v1/users", json={"name": "Alice"})
+        assert r.status_code == 409, f"Alice after alice must be 409, got {r.status_code}: {r.text}"
+        assert r.json()["error"] == "Conflict" and "'alice'" in r.json()["detail"], r.json()
+        assert db.execute(select(User.name).where(User.name == "Alice")).first() is None, "no user was made"
+        r = client.patch("/v1/users/ALICE/permissions", json={"can_run_code": True})
+        assert r.status_code == 200 and r.json()["name"] == "alice", (
+            f"PATCH by any case finds alice: {r.text}"
+        )
+        r = client.post("/v1/users/Alice/tokens", headers=as_user(token))
+        assert r.status_code == 201, f"alice may mint her own token under any case, got {r.status_code}"
+
+
 class TestTokens:
     def test_revoking_is_immediate_for_every_token_of_the_user(self, client: TestClient, db: Session) -> None:
         first = add_user(db, "erin")
@@ -66,6 +81,18 @@ class TestTokens:
         assert client.get("/v1/users/me", headers=as_user(fresh)).status_code == 200, (
             "an admin can give a revoked user a new token"
         )
+
+    def test_minting_past_the_live_token_cap_is_409_saying_why(self, client: TestClient, db: Session) -> None:
+        settings = client.app.state.settings  # type: ignore[attr-defined]
+        client.app.state.settings = settings.model_copy(update={"max_tokens_per_user": 2})  # type: ignore[attr-defined]
+        token = add_user(db, "hugo")  # live token 1 of 2
+        assert client.post("/v1/users/hugo/tokens", headers=as_user(token)).status_code == 201
+        r = client.post("/v1/users/hugo/tokens", headers=as_user(token))
+        assert r.status_code == 409, f"a third live token is over the cap of 2, got {r.status_code}: {r.text}"
+        assert r.json()["error"] == "Conflict" and "2 live tokens" in r.json()["detail"], r.json()
+        assert client.delete("/v1/users/hugo/tokens").status_code == 204
+        r = client.post("/v1/users/hugo/tokens")
+        assert r.status_code == 201, f"revoked tokens do not count, got {r.status_code}: {r.text}"
 
     def test_a_user_manages_only_their_own_tokens(self, client: TestClient, db: Session) -> None:
         frank, grace = add_user(db, "frank"), add_user(db, "grace")

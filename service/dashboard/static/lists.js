@@ -126,7 +126,8 @@
       const { data } = await api("/v1/workers");
       tbody.replaceChildren(...data.items.map((w) => el("tr", { "data-worker": w.name },
         el("td", { text: w.name }),
-        el("td", { class: "mono", text: w.address, title: w.hostname }),
+        // Admins only: the API gives a user neither address nor host name.
+        el("td", { class: "mono", text: w.address ?? "—", title: w.hostname }),
         el("td", { text: `${w.device_count} × ${w.device}` }),
         el("td", { text: `${w.slots} (${w.free_slots})` }),
         el("td", {}, (w.running_jobs || []).map((id) => el("a", { href: `#/jobs/${id}`, class: "mono", text: `${id} ` }))),
