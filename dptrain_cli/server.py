@@ -1,4 +1,9 @@
-"""Server-side commands: api, worker, migrate, and the embedded `up`."""
+"""Server-side commands: api, worker, migrate, and the embedded `up`.
+
+Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch) itself, so that the
+client commands, which share this `dptrain` program, start without them and run without them
+installed (dptrain_cli/extras.py).
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,24 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
-from service.config import Settings, get_settings
-from service.dispatch import node_queue
+from dptrain_cli.extras import installed, require
+
+if TYPE_CHECKING:
+    from service.config import Settings
 
 console = Console(stderr=True)
 
 
 def migrate() -> None:
     """Apply database migrations (Alembic, the only source of the schema)."""
-    from migrations import upgrade
+    with require("server"):
+        from migrations import upgrade
+        from service.config import get_settings
 
     settings = get_settings()
     if settings.is_sqlite:
@@ -32,7 +42,12 @@ def migrate() -> None:
 
 def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     """Run the HTTP API (uvicorn)."""
-    import uvicorn
+    with require("server"):
+        import uvicorn
+
+        from service.config import get_settings
+
+        installed("fastapi", "sqlalchemy")
 
     uvicorn.run(
         "service.main:app",
@@ -64,16 +79,21 @@ def worker(
     for key, value in (("NODE_NAME", node_name), ("NODE_ADDRESS", address), ("NODE_SLOTS", slots or "")):
         if value:
             os.environ[f"DPTRAIN_{key}"] = str(value)
-    get_settings.cache_clear()
-    settings = get_settings()
-    if device == "auto":
-        import torch  # only the worker needs torch, and only to look for a GPU
+    with require("worker"):
+        from service.config import get_settings
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
-    from workers.celery_app import app as celery_app
-    from workers.heartbeat import node_slots
+        get_settings.cache_clear()
+        settings = get_settings()
+        if device == "auto":
+            import torch  # only the worker needs torch, and only to look for a GPU
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            installed("torch")  # the ranks import it: better said now than at the first job
+        if device not in ("cpu", "cuda"):
+            raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
+        from workers.celery_app import app as celery_app
+        from workers.heartbeat import node_slots
 
     celery_app.conf.dptrain_device = device
     threads = concurrency or settings.worker_concurrency or node_slots(settings, device)
@@ -81,6 +101,8 @@ def worker(
 
 
 def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
+    from service.dispatch import node_queue
+
     # Placement chose this node: its queue carries only the starts meant for it.
     queue = node_queue(settings.queue, settings.node)
     return [
@@ -98,6 +120,12 @@ def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
 
 def up(host: str = "127.0.0.1", port: int = 8000) -> None:
     """Embedded default: API and one worker, SQLite and a serverless queue under DPTRAIN_HOME."""
+    with require("all"):
+        from service.config import get_settings
+
+        # The children import these; a missing one is better named here than in their tracebacks.
+        installed("uvicorn", "fastapi", "sqlalchemy", "alembic", "celery", "torch")
+
     home = Path(os.environ.get("DPTRAIN_HOME", ".dptrain")).resolve()
     home.mkdir(parents=True, exist_ok=True)
     os.environ["DPTRAIN_HOME"] = str(home)
