@@ -1,27 +1,39 @@
-"""Server-side commands: api, worker, migrate, and the embedded `up`."""
+"""Server-side commands: api, worker, migrate, and the embedded `up`.
+
+Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch) itself, so that the
+client commands, which share this `dptrain` program, start without them and run without them
+installed (dptrain_cli/extras.py).
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
-import signal
-import subprocess
-import sys
-import threading
+import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
-from service.config import Settings, get_settings
-from service.dispatch import node_queue
+from dptrain_cli.extras import installed, require
+
+if TYPE_CHECKING:
+    from service.config import Settings
 
 console = Console(stderr=True)
+
+# `up` runs every CPU job of up to this many ranks, however few cores the machine has: ranks
+# beyond the cores share them (docs/cluster.md, "dptrain up"). A cluster's `dptrain worker` keeps
+# one slot per core.
+UP_MIN_SLOTS = 4
 
 
 def migrate() -> None:
     """Apply database migrations (Alembic, the only source of the schema)."""
-    from migrations import upgrade
+    with require("server"):
+        from migrations import upgrade
+        from service.config import get_settings
 
     settings = get_settings()
     if settings.is_sqlite:
@@ -32,7 +44,12 @@ def migrate() -> None:
 
 def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
     """Run the HTTP API (uvicorn)."""
-    import uvicorn
+    with require("server"):
+        import uvicorn
+
+        from service.config import get_settings
+
+        installed("fastapi", "sqlalchemy")
 
     uvicorn.run(
         "service.main:app",
@@ -64,16 +81,21 @@ def worker(
     for key, value in (("NODE_NAME", node_name), ("NODE_ADDRESS", address), ("NODE_SLOTS", slots or "")):
         if value:
             os.environ[f"DPTRAIN_{key}"] = str(value)
-    get_settings.cache_clear()
-    settings = get_settings()
-    if device == "auto":
-        import torch  # only the worker needs torch, and only to look for a GPU
+    with require("worker"):
+        from service.config import get_settings
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
-    from workers.celery_app import app as celery_app
-    from workers.heartbeat import node_slots
+        get_settings.cache_clear()
+        settings = get_settings()
+        if device == "auto":
+            import torch  # only the worker needs torch, and only to look for a GPU
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            installed("torch")  # the ranks import it: better said now than at the first job
+        if device not in ("cpu", "cuda"):
+            raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
+        from workers.celery_app import app as celery_app
+        from workers.heartbeat import node_slots
 
     celery_app.conf.dptrain_device = device
     threads = concurrency or settings.worker_concurrency or node_slots(settings, device)
@@ -81,6 +103,8 @@ def worker(
 
 
 def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
+    from service.dispatch import node_queue
+
     # Placement chose this node: its queue carries only the starts meant for it.
     queue = node_queue(settings.queue, settings.node)
     return [
@@ -96,8 +120,23 @@ def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
     ]
 
 
-def up(host: str = "127.0.0.1", port: int = 8000) -> None:
+def up(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    slots: int = typer.Option(
+        0,
+        help=f"CPU rank processes at once (default DPTRAIN_NODE_SLOTS, else the cores, at least "
+        f"{UP_MIN_SLOTS}: ranks beyond the cores share them).",
+    ),
+) -> None:
     """Embedded default: API and one worker, SQLite and a serverless queue under DPTRAIN_HOME."""
+    with require("all"):
+        from dptrain_cli.supervise import API_STOP_SECONDS, WORKER_STOP_SECONDS, Supervisor
+        from service.config import get_settings
+
+        # The children import these; a missing one is better named here than in their tracebacks.
+        installed("uvicorn", "fastapi", "sqlalchemy", "alembic", "celery", "torch")
+
     home = Path(os.environ.get("DPTRAIN_HOME", ".dptrain")).resolve()
     home.mkdir(parents=True, exist_ok=True)
     os.environ["DPTRAIN_HOME"] = str(home)
@@ -111,34 +150,41 @@ def up(host: str = "127.0.0.1", port: int = 8000) -> None:
     get_settings.cache_clear()
     migrate()
     settings = get_settings()
-    worker_cmd = [sys.executable, "-m", "dptrain_cli.main", "worker", "--device", "cpu"]
-    worker_proc = subprocess.Popen(worker_cmd, env=os.environ.copy())
-    console.print(
-        f"[bold]dptrain up[/bold] on http://{host}:{port}  home={home}\n"
-        f"token: {token_file} (the CLI reads it when DPTRAIN_TOKEN is unset)\n"
-        f"database: {_redact(settings.database_url)}  broker: {_redact(settings.broker_url)}"
-    )
-    threading.Thread(target=_exit_with, args=(worker_proc,), daemon=True, name="worker-watchdog").start()
-    try:
-        api(host=host, port=port)
-    finally:
-        _stopping.set()
-        worker_proc.terminate()
-        try:
-            worker_proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            worker_proc.kill()
+    cores = os.cpu_count() or 1
+    slots = slots or settings.node_slots or max(cores, UP_MIN_SLOTS)
+    supervisor = Supervisor()
+    env = dict(os.environ)
+    if slots > cores:
+        # Ranks will share cores. torchrun gives each rank of a multi-rank job one OpenMP thread,
+        # but a single rank one per core: beside another job's ranks, its threads then wait at
+        # every parallel region for descheduled peers, and its steps take many times longer. The
+        # ranks get the worker's OMP_NUM_THREADS (workers/rank_env.py): one thread each, unless set.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    worker_args = ["worker", "--device", "cpu", "--slots", str(slots)]
+    supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS)
+    api_args = ["api", "--host", host, "--port", str(port)]
+    supervisor.start("API", api_args, env=env, stop_seconds=API_STOP_SECONDS)
+    _banner(host=host, port=port, home=home, token_file=token_file, slots=slots, settings=settings)
+    code = supervisor.run()
+    supervisor.reraise()
+    raise typer.Exit(code)
 
 
-def _exit_with(worker_proc: subprocess.Popen[bytes]) -> None:
-    """If the embedded worker dies, stop the API too: a service that accepts jobs nobody runs is worse."""
-    code = worker_proc.wait()
-    if code is not None and not _stopping.is_set():
-        console.print(f"[red]the embedded worker exited with {code}; stopping[/red]")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-_stopping = threading.Event()
+def _banner(*, host: str, port: int, home: Path, token_file: Path, slots: int, settings: Settings) -> None:
+    # A wildcard address serves every interface; this host reaches it on loopback.
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    token_arg = shlex.quote(str(token_file))
+    lines = [
+        f"dptrain up: the API and one CPU worker ({slots} rank slots), home {home}",
+        f"  dashboard  {url}/  (sign in with the token)",
+        f"  token      {token_file}  (the CLI reads it when DPTRAIN_TOKEN is unset)",
+        f'  try        curl -H "Authorization: Bearer $(cat {token_arg})" {url}/v1/jobs',
+        f"  database   {_redact(settings.database_url)}  broker {_redact(settings.broker_url)}",
+        "  stop       Ctrl-C or SIGTERM; running jobs resume from their last checkpoint at the next up",
+    ]
+    # soft_wrap: a wrapped curl line could not be pasted; no markup: paths may hold brackets.
+    console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
 
 
 def _redact(url: str) -> str:

@@ -59,6 +59,14 @@ NOT_RETRIED = frozenset(
 )
 
 
+# The end of an attempt whose worker was told to stop (workers/watch.py). Not the job's doing, so
+# not charged to it: the job is requeued whatever its restart budget, and the budget grows by one,
+# so that it keeps every restart it was given for its own failures (an evicted pod is not a failed
+# one either). The crash of a worker stays a WorkerLost, charged: nobody can tell it from a fault
+# the job itself provoked (an OOM kill of the whole host, say).
+WORKER_STOPPED = "WorkerStopped"
+
+
 def is_retryable(error: JobError) -> bool:
     """Whether an attempt that ended with `error` may be restarted (if the job has restarts left)."""
     return error.type not in NOT_RETRIED
@@ -80,15 +88,21 @@ def end_abnormally(sessions: sessionmaker[Session], *, att: Attempt, error: JobE
     Both are conditional on the attempt's claim token, so only one of the attempt's nodes (or the
     reconciler that took its lease away) records it, once; leaving `running` frees all its nodes.
     """
-    if is_retryable(error) and att.number <= att.max_restarts:
+    charged = error.type != WORKER_STOPPED
+    if not charged or (is_retryable(error) and att.number <= att.max_restarts):
+        why = f"{error.type}: {error.message}"
         reason = (
-            f"restarting after attempt {att.number} of {att.max_restarts + 1}: {error.type}: {error.message}"
+            f"restarting after attempt {att.number} of {att.max_restarts + 1}: {why}"
+            if charged
+            else f"requeued after attempt {att.number}, not counted as a restart: {why}"
         )
         values = {
             "claim_token": None,
             "worker": None,
             "step": lifecycle.resume_step(att.job_id),
             "queued_reason": "restarting: waiting for placement",
+            # Fenced by the claim token like the rest: no other writer can have moved it meanwhile.
+            **({} if charged else {"max_restarts": att.max_restarts + 1}),
         }
         finish(
             sessions,

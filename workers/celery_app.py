@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from service.config import get_settings
 from service.dispatch import celery_config
 
+log = logging.getLogger(__name__)
 settings = get_settings()
 app = Celery("dptrain", include=["workers.tasks"])
 app.conf.update(celery_config(settings))
@@ -37,9 +39,22 @@ def _start_background(sender: Any = None, **_: Any) -> None:
     from service.scheduling.scheduler import Scheduler
     from workers import runner
     from workers.heartbeat import Heartbeat, node_address, node_slots
-    from workers.reconciler import Reconciler
+    from workers.reconciler import Reconciler, recover_lost
 
     device = app.conf.get("dptrain_device", "cpu")
+    # Runs of this node still `running` from before this process started are gone with the process
+    # that ran them (a crash, or a shutdown that could not record their end): end them now, before
+    # placement runs, instead of after a lease (the reconciler's wait for other workers' leases).
+    try:
+        recover_lost(
+            sessions=session_factory(settings),
+            lease_seconds=settings.worker_lease_seconds,
+            me=settings.node,
+            running_here=runner.active(),
+            others=False,
+        )
+    except Exception:  # noqa: BLE001 - e.g. the database still starting: the reconciler does it later
+        log.warning("ending this node's runs of an earlier process failed", exc_info=True)
     dispatcher = CeleryDispatcher(settings)
     scheduler = Scheduler(sessions=session_factory(settings), dispatcher=dispatcher, settings=settings)
     # This node's slots are free again when one of its runs ends: place what waits right away.
@@ -60,14 +75,31 @@ def _start_background(sender: Any = None, **_: Any) -> None:
         me=settings.node,
         on_freed=scheduler.kick,
     )
-    _threads[:] = [heartbeat, scheduler, reconciler]
+    # The heartbeat last: it keeps this node's leases until its runs have recorded their end.
+    _threads[:] = [scheduler, reconciler, heartbeat]
     for thread in _threads:
         thread.start()
+
+
+@worker_shutting_down.connect
+def _stop_runs(**_: Any) -> None:
+    """Stop placing, and stop every run's ranks now: Celery's warm shutdown would wait for them."""
+    from workers.watch import stopping
+
+    # Placement first, so nothing is placed back on this node as its runs hand their attempts back.
+    for thread in _threads[:-1]:
+        _halt(thread)
+    stopping.set()
 
 
 @worker_shutdown.connect
 def _stop_background(**_: Any) -> None:
     for thread in _threads:
-        thread.stopped.set()
+        _halt(thread)
     for thread in _threads:
         thread.join(timeout=5)
+
+
+def _halt(thread: Any) -> None:
+    # The scheduler's stop() also wakes it from its wait between rounds; the others wait on `stopped`.
+    getattr(thread, "stop", thread.stopped.set)()

@@ -47,6 +47,7 @@ def recover_lost(
     lease_seconds: float,
     me: str | None = None,
     running_here: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset(),
+    others: bool = True,
 ) -> list[str]:
     """End every running attempt one of whose nodes' workers lost its lease; returns those jobs' ids.
 
@@ -55,7 +56,8 @@ def recover_lost(
     finds itself fenced out (its reporter stops its ranks and writes nothing more), and so do the
     attempt's other nodes. A started node on this worker (`me`) whose (job, attempt) is not in `running_here`
     is lost too: its run ended without recording its end (the database was down for longer than
-    the runner retries).
+    the runner retries), or this worker process restarted: it runs nothing of an earlier process's.
+    With `others` False, only those: what a worker ends at its start, without waiting for any lease.
     """
     now = utcnow()
     cutoff = now - timedelta(seconds=lease_seconds)
@@ -69,6 +71,8 @@ def recover_lost(
             if (job_id, attempt) in running_here or started is None:
                 continue
             why = f"worker {worker} lost: its node of the attempt ended without recording an end state"
+        elif not others:
+            continue
         elif beat is not None:
             if beat >= cutoff:
                 continue

@@ -27,13 +27,13 @@ from service.db import session_factory
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
 from service.scheduling import repository as placement
-from workers.attempts import Attempt, end_abnormally, finish, launcher_error
+from workers.attempts import WORKER_STOPPED, Attempt, end_abnormally, finish, launcher_error
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import Rendezvous, torchrun_command
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
 from workers.reporting import Reporter
-from workers.watch import STALL_TIMEOUT_DEFAULT, Watch, stop_file
+from workers.watch import STALL_TIMEOUT_DEFAULT, Watch, stop_file, stopping
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +323,8 @@ def _launch(
                     watch.stop("cancel")
                 elif reporter.state.fenced_out:
                     watch.stop("fenced")
+                elif stopping.is_set():
+                    watch.stop("shutdown")
                 elif deadline is not None and time.monotonic() > deadline:
                     watch.stop("deadline")
                 elif watch.stalled():
@@ -330,7 +332,7 @@ def _launch(
                 if watch.stopped_for is not None:
                     log.info("job %s: stopping its ranks (%s)", job_id, watch.stopped_for)
             if watch.signal_due():
-                stop_group(proc, grace=settings.cancel_grace_seconds)
+                stop_group(proc, grace=watch.kill_after())
     finally:
         kill_group(proc)
         if left := sweep_ranks(job_id, node=settings.node):
@@ -388,5 +390,8 @@ def _record_outcome(
     if rc == 0 and run.nnodes > 1:
         # Rank 0, whose node records the success, may run on another node: nothing to record here.
         return JobStatus.RUNNING
+    if stopped_for == "shutdown":
+        message = "its worker was stopped; the job resumes from its last checkpoint"
+        return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
     error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
     return end_abnormally(sessions, att=att, error=error)

@@ -4,11 +4,17 @@ A hung rank never fails on its own (a collective waiting on a dead peer, a scrip
 so silence is a failure too: no step reported and no log line written for the job's
 `stall_timeout_seconds` ends the attempt. A command job is asked first (the SDK's `should_stop()`
 sees the stop file) and signalled only after the grace period, so it can checkpoint and exit.
+
+A worker that is told to stop (SIGTERM, SIGINT: systemd, `docker stop`, Ctrl-C on `dptrain up`)
+stops every run's ranks too: Celery's warm shutdown would wait for its running tasks, which
+supervise runs of hours. Each run hands its attempt back instead (requeued, not counted against the
+job's restarts: workers/attempts.py) and resumes from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,8 +26,14 @@ STALL_TIMEOUT_DEFAULT: int = JobSpec.model_fields["stall_timeout_seconds"].defau
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
 # owns the job; stall: nobody is listening) signal at once.
 ASKED_FIRST = frozenset({"cancel", "deadline"})
+# Set when this worker process begins to shut down (workers/celery_app.py): every run stops.
+stopping = threading.Event()
+# A stop for shutdown signals the ranks at once and SIGKILLs them after at most this long (a
+# command's SIGTERM handler may save a checkpoint meanwhile): `dptrain up` must be gone, ranks
+# included, within the 10 s that `docker stop` waits before its SIGKILL.
+SHUTDOWN_GRACE_SECONDS = 3.0
 
-__all__ = ["ASKED_FIRST", "STALL_TIMEOUT_DEFAULT", "Watch", "stop_file"]
+__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "STALL_TIMEOUT_DEFAULT", "Watch", "stop_file", "stopping"]
 
 
 class Watch:
@@ -57,6 +69,10 @@ class Watch:
                 self.stop_file.touch()
                 delay = self.grace
         self._signal_at = self.clock() + delay
+
+    def kill_after(self) -> float:
+        """Seconds from the signal to SIGKILL: the grace, shorter when the worker shuts down."""
+        return min(self.grace, SHUTDOWN_GRACE_SECONDS) if self.stopped_for == "shutdown" else self.grace
 
     def signal_due(self) -> bool:
         """True once, when the ranks' grace to stop by themselves is over."""

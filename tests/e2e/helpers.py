@@ -88,6 +88,29 @@ class Procs:
                 return proc.pid
         raise KeyError(name)
 
+    def popen(self, name: str) -> subprocess.Popen[bytes]:
+        """The process started as `name` and still checked."""
+        return next(proc for n, proc in self.procs if n == name)
+
+    def signal(self, name: str, sig: int, *, timeout: float) -> float:
+        """Send `sig` to the process alone (not its group), as systemd or `docker stop` would, and wait
+        for it to exit; the seconds that took (AssertionError past `timeout`). It is no longer checked."""
+        for i, (n, proc) in enumerate(self.procs):
+            if n == name:
+                started = time.monotonic()
+                proc.send_signal(sig)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{name} still running {timeout} s after signal {sig}") from None
+                self.dead.append(self.procs.pop(i))
+                return time.monotonic() - started
+        raise KeyError(name)
+
+    def output(self, name: str) -> str:
+        """Everything process `name` wrote so far."""
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
     def logs(self) -> str:
         return "\n".join(
             f"----- {name} -----\n" + (self.log_dir / f"{name}.log").read_text(errors="replace")[-6000:]

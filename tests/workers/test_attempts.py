@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from service.models import Job
+from service.models import Job, JobTransition
 from service.models.base import utcnow
-from workers.attempts import Attempt, end_abnormally, is_retryable, launcher_error
+from workers.attempts import WORKER_STOPPED, Attempt, end_abnormally, is_retryable, launcher_error
 from workers.engine.events import EventWriter, events_path
 from workers.reporting import Reporter
 
@@ -81,6 +81,32 @@ def test_the_error_column_holds_a_job_error_and_the_api_shows_it(
     assert JobError.model_validate(job.error) == error, f"{end}: the column holds {job.error}"
     shown = client.get(f"/v1/jobs/{job_id}").json()["error"]
     assert shown == error.model_dump(), f"{end}: expected the API to show {error}, got {shown}"
+
+
+def test_a_stopped_worker_s_attempt_is_requeued_and_costs_the_job_no_restart(
+    client: TestClient, sessions: sessionmaker[Session], db: Session
+) -> None:
+    """A service stop is not the job's failure: with max_restarts 1 it still gets its one restart after."""
+    job_id = client.post("/v1/jobs", json={**SPEC, "max_restarts": 1}).json()["id"]
+    stopped = JobError(type=WORKER_STOPPED, message="its worker was stopped")
+    crashed = JobError(type="RuntimeError", message="injected fault at step 2", rank=0)
+    ends = []
+    for number, error in enumerate((stopped, crashed, crashed), start=1):
+        token = uuid.uuid4().hex  # a new attempt, as placement's claim makes it
+        db.query(Job).filter_by(id=job_id).update(
+            {"status": "running", "attempt": number, "claim_token": token, "started_at": utcnow()}
+        )
+        db.commit()
+        max_restarts = db.get(Job, job_id).max_restarts  # type: ignore[union-attr]
+        att = Attempt(job_id=job_id, number=number, token=token, max_restarts=max_restarts)
+        ends.append(end_abnormally(sessions, att=att, error=error))
+        db.expire_all()
+    assert ends == [JobStatus.QUEUED, JobStatus.QUEUED, JobStatus.FAILED], ends
+    reasons = [
+        t.reason or "" for t in db.query(JobTransition).filter_by(job_id=job_id).order_by(JobTransition.id)
+    ]
+    assert "requeued after attempt 1, not counted as a restart: WorkerStopped" in reasons[-3], reasons
+    assert "restarting after attempt 2 of 3: RuntimeError" in reasons[-2], reasons
 
 
 def test_a_rank_error_keeps_its_rank_type_and_traceback(

@@ -155,6 +155,25 @@ class TestLostWorkers:
         )
         assert lost == [orphan], f"only the job this worker no longer runs is lost, got {lost}"
 
+    def test_a_starting_worker_ends_its_own_orphaned_runs_at_once_and_no_one_else_s(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session
+    ) -> None:
+        """At its start a worker runs nothing: its earlier process's runs are over, whatever the leases."""
+        orphan, others, unstarted = (client.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(3))
+        self._beat(db, "me:1", age=timedelta(seconds=0))
+        self._beat(db, "dead:1", age=timedelta(minutes=2))
+        self._running(db, orphan, worker="me:1", max_restarts=1)
+        self._running(db, others, worker="dead:1", max_restarts=1)
+        self._running(db, unstarted, worker="me:1", max_restarts=1)
+        # Placed on this worker, its start message not taken yet: the new process will take it.
+        db.query(JobNode).filter_by(job_id=unstarted).update({"started_at": None})
+        db.commit()
+        lost = recover_lost(sessions=sessions, lease_seconds=60, me="me:1", others=False)
+        assert lost == [orphan], f"expected only this worker's started run, got {lost}"
+        db.expire_all()
+        states = {j: db.get(Job, j).status for j in (orphan, others, unstarted)}  # type: ignore[union-attr]
+        assert states == {orphan: "queued", others: "running", unstarted: "running"}, states
+
 
 def test_history_past_the_retention_is_deleted_and_the_job_row_kept(
     client: TestClient, sessions: sessionmaker[Session], db: Session
