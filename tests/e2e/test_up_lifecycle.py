@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import yaml
 
 from tests.conftest import job_spec
 from tests.e2e.helpers import Procs, clean_env, wait_for_terminal, wait_healthy
@@ -90,6 +93,17 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
+def _submit_unplaceable(up: Up, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """`dptrain submit --wait` of a job for 2 nodes, which the one embedded node can never hold."""
+    spec = tmp / "two-nodes.yaml"
+    spec.write_text(yaml.safe_dump(job_spec(SPEC, name="two-nodes", resources={"nodes": 2})))
+    cmd = [sys.executable, "-m", "dptrain_cli.main", "submit", str(spec), "--wait"]
+    env = {**up.env, "DPTRAIN_API_URL": up.base}
+    return subprocess.run(
+        [*cmd, "--unplaceable-timeout", "1", "--timeout", "120"], capture_output=True, text=True, env=env
+    )
+
+
 def test_a_job_outlives_sigterm_and_sigint_of_up_and_completes_once(
     tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
@@ -120,10 +134,15 @@ def test_a_job_outlives_sigterm_and_sigint_of_up_and_completes_once(
         job = wait_for_terminal(http, job_id, procs=up.procs, timeout=180)
         timeline: list[dict[str, Any]] = http.get(f"/v1/jobs/{job_id}/timeline").json()["items"]
         series = http.get(f"/v1/jobs/{job_id}/metrics", params={"name": "loss"}).json()["series"]
+        unplaceable = _submit_unplaceable(up, tmp_path)
     finally:
         up.procs.stop()
 
     assert job["status"] == "succeeded", f"{job['status']}: {job['error']}\n{up.procs.logs()}"
+    # Said at once, and `submit --wait` ends with its own code instead of waiting out --timeout.
+    said = " ".join(unplaceable.stderr.split())
+    assert unplaceable.returncode == 5, unplaceable.stdout + unplaceable.stderr
+    assert "warning: no live node can hold this job: it needs 2 nodes" in said, said
     # The default max_restarts (0) still allowed both: a stopped service is not the job's failure.
     assert job["attempt"] == 3 and job["spec"]["max_restarts"] == 0, job
     states = [t["to_status"] for t in timeline]
