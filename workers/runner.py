@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.db import session_factory
+from service.files import PRIVATE_UMASK
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
 from service.scheduling import repository as placement
@@ -287,7 +288,11 @@ def _launch(
         grace=settings.cancel_grace_seconds,
         stop_file=stop_file(paths.run_dir) if command is not None else None,
     )
-    run_as = setup.run_as.popen_args() if setup.run_as is not None else {}
+    # Whatever process runs this (a worker, a test), what torchrun and the ranks write (checkpoints,
+    # events, logs) is private: umask 077, which the run-as user's arguments repeat.
+    user: dict[str, Any] = {"umask": PRIVATE_UMASK}
+    if setup.run_as is not None:
+        user |= setup.run_as.popen_args()
     with paths.launcher_log.open("ab") as launcher_out:
         # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
         # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
@@ -298,7 +303,7 @@ def _launch(
             env=env,
             cwd=setup.cwd,
             start_new_session=True,
-            **run_as,
+            **user,
         )
     # For operators (and a recovering worker on another machine's tooling): which group to kill.
     with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
