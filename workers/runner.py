@@ -25,6 +25,7 @@ from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.db import session_factory
 from service.files import PRIVATE_UMASK
+from service.jobs import lifecycle
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
 from service.scheduling import repository as placement
@@ -288,11 +289,8 @@ def _launch(
         grace=settings.cancel_grace_seconds,
         stop_file=stop_file(paths.run_dir) if command is not None else None,
     )
-    # Whatever process runs this (a worker, a test), what torchrun and the ranks write (checkpoints,
-    # events, logs) is private: umask 077, which the run-as user's arguments repeat.
-    user: dict[str, Any] = {"umask": PRIVATE_UMASK}
-    if setup.run_as is not None:
-        user |= setup.run_as.popen_args()
+    # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
+    user: dict[str, Any] = {"umask": PRIVATE_UMASK, **(setup.run_as.popen_args() if setup.run_as else {})}
     with paths.launcher_log.open("ab") as launcher_out:
         # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
         # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
@@ -374,9 +372,18 @@ def _record_outcome(
     job_id, token = att.job_id, att.token
     if stopped_for == "fenced":
         return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
-    if stopped_for == "cancel" or (reporter.state.cancel_requested and rc != 0):
-        finish(sessions, job_id=job_id, token=token, dst=JobStatus.CANCELLED, reason="cancel requested")
-        return JobStatus.CANCELLED
+    # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
+    # says it finished, so a rank that exits 0 early is not mistaken for success.
+    done = reporter.state.finished or (run.spec.get("command") is not None and run.is_primary)
+    if stopped_for == "cancel" or reporter.state.cancel_requested:
+        if not run.is_primary:
+            return JobStatus.RUNNING  # node 0 sees the flag too, and alone knows if the work finished
+        # The engine finished before the stop (which may then have signalled ranks on their way out),
+        # or the ranks exited 0 on their own: the work was done first.
+        finished = reporter.state.finished or (stopped_for is None and rc == 0 and done)
+        dst, reason = lifecycle.end_of_cancelled_run(finished=finished)
+        finish(sessions, job_id=job_id, token=token, dst=dst, reason=reason)
+        return dst
     if stopped_for == "deadline":
         error = JobError(type="DeadlineExceeded", message=f"deadline exceeded ({max_runtime} s)")
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
@@ -384,9 +391,6 @@ def _record_outcome(
     if stopped_for == "stall":
         message = f"no progress for {watch.stall_seconds:g} s: no rank reported a step or wrote a log line"
         return end_abnormally(sessions, att=att, error=JobError(type="Stalled", message=message))
-    # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
-    # says it finished, so a rank that exits 0 early is not mistaken for success.
-    done = reporter.state.finished or (run.spec.get("command") is not None and run.is_primary)
     if rc == 0 and done:
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
         return JobStatus.SUCCEEDED
