@@ -64,8 +64,9 @@ def sparkline(values: list[float]) -> str:
 def render(job: Job, curves: dict[str, list[float]]) -> RenderableType:
     """The watch view of `job`: a header, a progress bar, and each curve's latest value and shape."""
     p = job.progress
+    name = clean(job.name)
     head = Text.assemble(
-        (job.id, "bold"), "  ", clean(job.name), "  ", (job.status.value, "cyan"), f"  attempt {job.attempt}"
+        (clean(job.id), "bold"), "  ", name, "  ", (job.status.value, "cyan"), f"  attempt {job.attempt}"
     )
     bar = Table.grid(padding=(0, 1))
     bar.add_row(

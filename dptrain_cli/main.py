@@ -18,8 +18,9 @@ import httpx
 import typer
 from rich.filesize import decimal
 from rich.table import Column, Table
+from rich.text import Text
 
-from api_schemas import Job, JobStatus
+from api_schemas import Job, JobError, JobStatus
 from dptrain.client import Client, CodeTooLarge
 from dptrain.errors import ApiError, PayloadTooLarge, Refused, Unplaceable, WaitTimeout
 from dptrain.specfile import SpecFileError, load_spec
@@ -81,12 +82,20 @@ def _exit_for(job: Job) -> int:
 
 def _report_end(job: Job) -> None:
     colour = "green" if job.status is JobStatus.SUCCEEDED else "red"
-    out.print(f"job {job.id} [{colour}]{job.status.value}[/{colour}] at step {job.progress.step}")
+    # A Text, not markup: the id is the server's word, which the CLI does not parse either.
+    out.print(
+        Text.assemble("job ", inert(job.id), " ", (job.status.value, colour), f" at step {job.progress.step}")
+    )
     if job.error is not None:
-        rank = f" on rank {job.error.rank}" if job.error.rank is not None else ""
-        say(f"{job.error.type}{rank}: {job.error.message}", stderr=True)
-        if job.error.traceback:
-            say(job.error.traceback, stderr=True)
+        _say_error(job.error, stderr=True)
+
+
+def _say_error(error: JobError, *, stderr: bool = False, prefix: str = "") -> None:
+    """A job's error as the ranks reported it: type, rank, message and traceback, whole and inert."""
+    rank = f" on rank {error.rank}" if error.rank is not None else ""
+    say(f"{prefix}{error.type}{rank}: {error.message}", stderr=stderr)
+    if error.traceback:
+        say(error.traceback, stderr=stderr)
 
 
 def _too_big(workdir: Path, exc: CodeTooLarge) -> typer.Exit:
@@ -241,7 +250,7 @@ def status(job_id: str, output: Output = OUTPUT) -> None:
     for name, value in sorted(job.latest_metrics.items()):
         say(f"  {name} = {value:.6g}")
     if job.error is not None:
-        say(f"error: {job.error.type}: {job.error.message}")
+        _say_error(job.error, prefix="error: ")
 
 
 @app.command("list")
@@ -301,14 +310,10 @@ def checkpoints(job_id: str, output: Output = OUTPUT) -> None:
         return
     table = Table("id", "step", "size", "created", "best", "sha256")
     for c in items:
-        table.add_row(
-            str(c.id),
-            str(c.step),
-            decimal(c.size_bytes),
-            c.created_at.isoformat(),
-            "*" if c.best else "",
-            c.sha256[:12],
-        )
+        # Text objects: a sha256 is what a rank reported (a command's own script writes it), never markup.
+        best = "*" if c.best else ""
+        row = (str(c.id), str(c.step), decimal(c.size_bytes), c.created_at.isoformat(), best, c.sha256[:12])
+        table.add_row(*map(inert, row))
     out.print(table)
 
 

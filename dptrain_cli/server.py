@@ -39,7 +39,7 @@ def migrate() -> None:
     if settings.is_sqlite:
         Path(settings.home).mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
-    console.print(f"[green]database at head[/green] ({_redact(settings.database_url)})")
+    console.print(f"database at head ({_redact(settings.database_url)})", markup=False, highlight=False)
 
 
 def api(host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> None:
@@ -133,10 +133,13 @@ def up(
     with require("all"):
         from dptrain_cli.supervise import API_STOP_SECONDS, WORKER_STOP_SECONDS, Supervisor
         from service.config import get_settings
+        from service.files import private_umask, write_private
 
         # The children import these; a missing one is better named here than in their tracebacks.
         installed("uvicorn", "fastapi", "sqlalchemy", "alembic", "celery", "torch")
 
+    # Before anything is created: the home, its database and the token are this account's alone.
+    private_umask()
     home = Path(os.environ.get("DPTRAIN_HOME", ".dptrain")).resolve()
     home.mkdir(parents=True, exist_ok=True)
     os.environ["DPTRAIN_HOME"] = str(home)
@@ -145,8 +148,7 @@ def up(
     if not token:
         token = token_file.read_text().strip() if token_file.is_file() else secrets.token_urlsafe(24)
         os.environ["DPTRAIN_BOOTSTRAP_TOKEN"] = token
-    token_file.write_text(token + "\n")
-    token_file.chmod(0o600)
+    write_private(token_file, token + "\n")
     get_settings.cache_clear()
     migrate()
     settings = get_settings()

@@ -21,6 +21,7 @@ from service.dashboard.router import install_dashboard
 from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.errors import install_error_handler
+from service.headers import SecurityHeaders
 from service.jobs.poll_cache import JobPollCache, listen
 from service.jobs.router import router as jobs_router
 from service.limits import BodyLimit, TokenBuckets
@@ -68,6 +69,8 @@ def create_app(
         version="1",
         summary="Submit data-parallel training jobs, follow them, fetch their checkpoints.",
         lifespan=lifespan,
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
     )
     app.state.settings = settings
     app.state.session_factory = session_factory(settings)
@@ -96,6 +99,9 @@ def create_app(
     streamed = (f"{code_router.prefix}/",)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_body_bytes, streamed=streamed)
     app.add_middleware(RequestLatency, histogram=request_histogram(app.state.metrics_registry))
+    # Outermost: the 413s, 429s and 401s answered by the layers inside get the headers too.
+    docs_paths = frozenset(p for p in (app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url) if p)
+    app.add_middleware(SecurityHeaders, docs_paths=docs_paths)
     app.include_router(jobs_router)
     app.include_router(users_router)
     app.include_router(workers_router)

@@ -110,6 +110,10 @@ class Settings(BaseSettings):
     poll_cache: bool = True
     # How often an open `GET /v1/jobs/{id}/events` stream looks at the database.
     sse_poll_seconds: float = 1.0
+    # The interactive API pages `/docs` (Swagger UI) and `/redoc`: they load their scripts from a CDN
+    # (jsDelivr), which could then run code on the dashboard's origin, where its token lives. Unset:
+    # on for the embedded service (SQLite, a laptop), off otherwise. `/openapi.json` is always served.
+    api_docs: bool | None = None
 
     @field_validator("data_root", mode="before")
     @classmethod
@@ -141,6 +145,8 @@ class Settings(BaseSettings):
         self.code_cache_dir = self.code_cache_dir.resolve()
         if self.data_root is not None:
             self.data_root = self.data_root.resolve()
+        if self.api_docs is None:
+            self.api_docs = self.is_sqlite
         if self.rendezvous_port_min > self.rendezvous_port_max:
             raise ValueError("DPTRAIN_RENDEZVOUS_PORT_MIN must not exceed DPTRAIN_RENDEZVOUS_PORT_MAX")
         if self.default_page_size > self.max_page_size:

@@ -15,6 +15,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
+from service.files import create_private_sqlite
 
 # A pooled connection handed back less than this long ago is used without a ping first.
 PING_IF_IDLE_SECONDS = 1.0
@@ -45,6 +46,7 @@ def make_engine(database_url: str, *, pool_size: int = 16) -> Engine:
     """
     json_args: dict[str, Any] = {"json_serializer": dump_json, "json_deserializer": load_json}
     if database_url.startswith("sqlite"):
+        create_private_sqlite(database_url)
         engine = create_engine(
             database_url, connect_args={"check_same_thread": False, "timeout": 30}, **json_args
         )

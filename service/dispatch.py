@@ -9,6 +9,7 @@ from typing import Protocol
 from celery import Celery
 
 from service.config import Settings
+from service.files import create_private_sqlite
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +18,9 @@ RUN_NODE_TASK = "dptrain.run_node"
 
 def celery_config(settings: Settings) -> dict[str, object]:
     """Celery settings shared by the publisher (API) and the consumer (worker); see docs/architecture.md."""
+    # Both read this before kombu opens the embedded queue's SQLite file: created private here, as
+    # the transport itself would create it with the process's umask.
+    create_private_sqlite(settings.broker_url)
     return {
         "broker_url": settings.broker_url,
         "task_serializer": "json",

@@ -6,13 +6,18 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from service.jobs import lifecycle
 from workers.engine.events import TRACEBACK_TAIL_LINES
+
+if TYPE_CHECKING:
+    from workers.reporting import Reporter
+    from workers.runner import NodeRun, RunPaths
+    from workers.watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +179,50 @@ def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return None
+
+
+def record_outcome(
+    sessions: sessionmaker[Session],
+    *,
+    reporter: Reporter,
+    run: NodeRun,
+    rc: int,
+    watch: Watch,
+    paths: RunPaths,
+    max_runtime: int | None,
+) -> JobStatus:
+    """Record how a node's run ended, from how it was stopped, its exit code and what rank 0 reported."""
+    att, stopped_for = run.att, watch.stopped_for
+    job_id, token = att.job_id, att.token
+    if stopped_for == "fenced":
+        return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
+    # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
+    # says it finished, so a rank that exits 0 early is not mistaken for success.
+    done = reporter.state.finished or (run.spec.get("command") is not None and run.is_primary)
+    if stopped_for == "cancel" or reporter.state.cancel_requested:
+        if not run.is_primary:
+            return JobStatus.RUNNING  # node 0 sees the flag too, and alone knows if the work finished
+        # The engine finished before the stop (which may then have signalled ranks on their way out),
+        # or the ranks exited 0 on their own: the work was done first.
+        finished = reporter.state.finished or (stopped_for is None and rc == 0 and done)
+        dst, reason = lifecycle.end_of_cancelled_run(finished=finished)
+        finish(sessions, job_id=job_id, token=token, dst=dst, reason=reason)
+        return dst
+    if stopped_for == "deadline":
+        error = JobError(type="DeadlineExceeded", message=f"deadline exceeded ({max_runtime} s)")
+        finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
+        return JobStatus.FAILED
+    if stopped_for == "stall":
+        message = f"no progress for {watch.stall_seconds:g} s: no rank reported a step or wrote a log line"
+        return end_abnormally(sessions, att=att, error=JobError(type="Stalled", message=message))
+    if rc == 0 and done:
+        finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
+        return JobStatus.SUCCEEDED
+    if rc == 0 and run.nnodes > 1:
+        # Rank 0, whose node records the success, may run on another node: nothing to record here.
+        return JobStatus.RUNNING
+    if stopped_for == "shutdown":
+        message = "its worker was stopped; the job resumes from its last checkpoint"
+        return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
+    error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
+    return end_abnormally(sessions, att=att, error=error)

@@ -6,10 +6,11 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from service.config import get_settings
 from service.dispatch import celery_config
+from service.files import private_umask
 
 log = logging.getLogger(__name__)
 settings = get_settings()
@@ -29,6 +30,13 @@ app.conf.update(
 
 
 _threads: list[Any] = []
+
+
+@worker_init.connect
+def _private_files(**_: Any) -> None:
+    """Run directories, checkpoints, logs and unpacked code are this worker's alone (umask 077)."""
+    # At the worker's start, before any task: the runner's torchrun and every rank inherit it.
+    private_umask()
 
 
 @worker_ready.connect

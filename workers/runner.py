@@ -24,10 +24,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.db import session_factory
+from service.files import PRIVATE_UMASK
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
 from service.scheduling import repository as placement
-from workers.attempts import WORKER_STOPPED, Attempt, end_abnormally, finish, launcher_error
+from workers.attempts import Attempt, end_abnormally, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import Rendezvous, torchrun_command
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
@@ -287,7 +288,8 @@ def _launch(
         grace=settings.cancel_grace_seconds,
         stop_file=stop_file(paths.run_dir) if command is not None else None,
     )
-    run_as = setup.run_as.popen_args() if setup.run_as is not None else {}
+    # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
+    user: dict[str, Any] = {"umask": PRIVATE_UMASK, **(setup.run_as.popen_args() if setup.run_as else {})}
     with paths.launcher_log.open("ab") as launcher_out:
         # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
         # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
@@ -298,7 +300,7 @@ def _launch(
             env=env,
             cwd=setup.cwd,
             start_new_session=True,
-            **run_as,
+            **user,
         )
     # For operators (and a recovering worker on another machine's tooling): which group to kill.
     with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
@@ -346,7 +348,7 @@ def _launch(
             log.error("job %s: giving up on the last reports after %d s", job_id, FINAL_FLUSH_SECONDS)
             break
         time.sleep(min(5.0, settings.report_interval_seconds * 4))
-    return _record_outcome(
+    return record_outcome(
         sessions,
         reporter=reporter,
         run=run,
@@ -355,43 +357,3 @@ def _launch(
         paths=paths,
         max_runtime=max_runtime,
     )
-
-
-def _record_outcome(
-    sessions: sessionmaker[Session],
-    *,
-    reporter: Reporter,
-    run: NodeRun,
-    rc: int,
-    watch: Watch,
-    paths: RunPaths,
-    max_runtime: int | None,
-) -> JobStatus:
-    att, stopped_for = run.att, watch.stopped_for
-    job_id, token = att.job_id, att.token
-    if stopped_for == "fenced":
-        return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
-    if stopped_for == "cancel" or (reporter.state.cancel_requested and rc != 0):
-        finish(sessions, job_id=job_id, token=token, dst=JobStatus.CANCELLED, reason="cancel requested")
-        return JobStatus.CANCELLED
-    if stopped_for == "deadline":
-        error = JobError(type="DeadlineExceeded", message=f"deadline exceeded ({max_runtime} s)")
-        finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
-        return JobStatus.FAILED
-    if stopped_for == "stall":
-        message = f"no progress for {watch.stall_seconds:g} s: no rank reported a step or wrote a log line"
-        return end_abnormally(sessions, att=att, error=JobError(type="Stalled", message=message))
-    # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
-    # says it finished, so a rank that exits 0 early is not mistaken for success.
-    done = reporter.state.finished or (run.spec.get("command") is not None and run.is_primary)
-    if rc == 0 and done:
-        finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
-        return JobStatus.SUCCEEDED
-    if rc == 0 and run.nnodes > 1:
-        # Rank 0, whose node records the success, may run on another node: nothing to record here.
-        return JobStatus.RUNNING
-    if stopped_for == "shutdown":
-        message = "its worker was stopped; the job resumes from its last checkpoint"
-        return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
-    error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
-    return end_abnormally(sessions, att=att, error=error)

@@ -12,18 +12,9 @@ from service.strict_json import StrictJSONRoute
 
 STATIC = Path(__file__).resolve().parent / "static"
 
-# The page only talks to its own origin and builds the DOM with textContent, never HTML from data;
-# the CSP makes that a rule. uPlot positions its elements with inline styles, hence 'unsafe-inline'
-# for styles only (no inline script is allowed).
-_HEADERS = {
-    "Content-Security-Policy": (
-        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
-        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-cache",
-}
+# Its CSP, nosniff and referrer policy come from service.headers, for this page and every other
+# HTML file under /static alike; a new version of the page is fetched as soon as there is one.
+_HEADERS = {"Cache-Control": "no-cache"}
 
 router = APIRouter(include_in_schema=False, route_class=StrictJSONRoute)
 

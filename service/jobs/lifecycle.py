@@ -76,6 +76,17 @@ def transition(
     return job
 
 
+def end_of_cancelled_run(*, finished: bool) -> tuple[JobStatus, str]:
+    """How a running job whose cancel was requested ends: `succeeded` if its work finished first."""
+    # `finished`: every step ran and the final checkpoint is written (the engine's finished event
+    # follows both), or a command exited 0 before it was stopped. A cancel that comes after that has
+    # nothing left to stop; recording `cancelled` would hide a complete model behind a word that
+    # says there is none. `cancel_requested` stays true on such a job: the timeline says why.
+    if finished:
+        return JobStatus.SUCCEEDED, "finished before the cancel took effect"
+    return JobStatus.CANCELLED, "cancel requested"
+
+
 def record_created(session: Session, *, job: Job) -> None:
     """The first entry of a job's timeline."""
     # A plain INSERT rather than session.add(): the unit of work's flush costs more than the row.

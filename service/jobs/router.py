@@ -299,10 +299,21 @@ def list_checkpoints(job_id: JobId, session: SessionDep, user: CurrentUser) -> C
     return CheckpointList(items=service.checkpoint_infos(repository.checkpoints(session, job_id=job_id)))
 
 
+_CHECKPOINT_FILE: dict[int | str, dict[str, object]] = {
+    200: {
+        "description": "The checkpoint's bytes",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "headers": {
+            "X-Checkpoint-SHA256": {"description": "sha256 of the file, hex", "schema": {"type": "string"}}
+        },
+    }
+}
+
+
 @router.get(
     "/{job_id}/checkpoints/{checkpoint_id}/download",
     response_class=FileResponse,
-    responses=error_responses(NotFound),
+    responses=_CHECKPOINT_FILE | error_responses(NotFound),
 )
 def download_checkpoint(
     job_id: JobId, checkpoint_id: CheckpointId, session: SessionDep, user: CurrentUser, settings: SettingsDep

@@ -109,3 +109,36 @@ def test_without_wait_the_id_is_all_stdout_holds(api: TestClient, spec_file: Cal
     r = dptrain("submit", spec_file())
     assert r.exit_code == 0, r.output
     assert api.get(f"/v1/jobs/{r.stdout.strip()}").json()["status"] == "queued", r.stdout
+
+
+def test_a_failed_job_s_error_prints_verbatim_and_inert(
+    api: TestClient, monkeypatch: pytest.MonkeyPatch, spec_file: Callable[..., Path]
+) -> None:
+    # What a rank's error may hold: rich markup (a `[/]` would raise MarkupError or hide what follows),
+    # an escape sequence clearing the screen, a window title, a one-byte CSI.
+    message = "'[/]' \x1b[31mred[/red]"
+    traceback = "\n".join(
+        [
+            "Traceback (most recent call last):",
+            '  File "t.py", line 3',
+            "KeyError: '[/]' \x1b[2J\x1b]0;t\x07\x9b1m end",
+        ]
+    )
+    error = {"type": "KeyError", "message": message, "rank": 0, "traceback": traceback}
+    finish_on_first_poll(monkeypatch, api, JobStatus.FAILED, error=error)
+    expected = [
+        "KeyError on rank 0: '[/]' [31mred[/red]",
+        "Traceback (most recent call last):",
+        '  File "t.py", line 3',
+        "KeyError: '[/]' [2J]0;t1m end",
+    ]
+    r = dptrain("submit", spec_file(name="hostile"), "--wait")
+    assert r.exit_code == 1, r.output
+    assert "\n".join(expected) in r.stderr, f"expected the error whole on stderr:\n{r.stderr}"
+    job_id = r.stdout.splitlines()[0]
+    assert r.stdout.splitlines()[1:] == [f"job {job_id} failed at step 0"], r.stdout
+    shown = dptrain("status", job_id)
+    assert shown.exit_code == 0, shown.output
+    assert "\n".join(["error: " + expected[0], *expected[1:]]) in shown.stdout, shown.stdout
+    for text in (r.stdout, r.stderr, shown.stdout):
+        assert not {"\x1b", "\x07", "\x9b"} & set(text), repr(text)

@@ -28,5 +28,10 @@ def test_dptrain_up_runs_a_job_with_no_servers(tmp_path: Path, free_port: Callab
             assert http.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
             run_mlp_scenario(http, procs)
         assert (home / "dptrain.db").is_file() and (home / "broker.db").is_file()
+        # Everything the API, the worker and the ranks wrote is private (docs/security.md); the home
+        # folder itself is `up`'s to create, and the code cache is 0711 on purpose.
+        written = [p for p in home.rglob("*") if not p.is_symlink() and "code-cache" not in p.parts]
+        shared = [str(p) for p in written if p.lstat().st_mode & 0o077]
+        assert not shared, f"expected no group or other bit under DPTRAIN_HOME: {shared}"
     finally:
         procs.stop()

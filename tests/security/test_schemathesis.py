@@ -13,11 +13,15 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from api_schemas import JobSpec, JobStatus
 from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
+from service.jobs import lifecycle, service
+from service.models import Checkpoint
+from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler
+from workers.engine.checkpoint import checkpoint_name
 
 # Per operation and phase; about 15 operations, so a few hundred requests in all.
 MAX_EXAMPLES = 25
@@ -41,12 +45,12 @@ app = create_app(
     _settings("postgresql+psycopg://unused@127.0.0.1/unused", Path("/nonexistent")),
     scheduler=RecordingScheduler(),
 )
-# Left out: the event stream answers an endless text/event-stream for a job that exists (no body to
-# validate, and it would not end); the checkpoint download answers a binary file. Both are covered
-# by tests/security/test_isolation.py.
+# Every operation, the event stream and the checkpoint download included: a generated job id names
+# no job, so they answer 404 (or 422, 401) like the others; their 200s, a stream and a file, are
+# validated on a finished job of the fixture's below.
 # A code archive is raw bytes: generated as such (and refused as not gzip or not matching its hash).
 schemathesis.serializer.alias("application/gzip", "application/octet-stream")
-schema = schemathesis.openapi.from_asgi("/openapi.json", app).exclude(path_regex=r"/events$|/download$")
+schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 
 
 @schema.auth()
@@ -61,11 +65,24 @@ class Bearer:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def database(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+def database(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The admin, and a succeeded job of theirs with a checkpoint file: its path parameters."""
     app.state.settings = _settings(own_database, tmp_path_factory.mktemp("fuzz") / "artifacts")
     app.state.session_factory = session_factory(app.state.settings)
     with app.state.session_factory.begin() as session:
-        ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
+        admin = ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
+        job_id = service.submit(session, user=admin, spec=JobSpec.model_validate(SPEC)).id
+        lifecycle.transition(session, job_id=job_id, src=JobStatus.QUEUED, dst=JobStatus.RUNNING)
+        lifecycle.transition(session, job_id=job_id, src=JobStatus.RUNNING, dst=JobStatus.SUCCEEDED)
+        path = app.state.settings.artifacts / "jobs" / job_id / "checkpoints" / checkpoint_name(1)
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"weights")
+        checkpoint = Checkpoint(
+            job_id=job_id, attempt=1, step=1, path=str(path), size_bytes=7, sha256="c" * 64
+        )
+        session.add(checkpoint)
+        session.flush()
+        return {"job_id": job_id, "checkpoint_id": str(checkpoint.id)}
 
 
 @schema.parametrize()
@@ -80,3 +97,18 @@ def test_api_conforms_to_its_schema(case: Any) -> None:
     # without `after`, an entrypoint under the allowed prefixes), so a schema-valid request may
     # rightly get 422.
     case.call_and_validate(excluded_checks=[positive_data_acceptance])
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/jobs/{job_id}/events", "/v1/jobs/{job_id}/checkpoints/{checkpoint_id}/download"]
+)
+def test_a_finished_job_s_stream_and_checkpoint_file_are_as_documented(
+    database: dict[str, str], path: str
+) -> None:
+    # Generated ids never name a job, so the 200s of these two are checked here: a finished job's
+    # stream ends (its last event is `end`), and the file comes with its documented type and header.
+    operation = schema[path]["GET"]
+    params = {k: v for k, v in database.items() if "{" + k + "}" in path}
+    case = operation.Case(path_parameters=params, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    response = case.call_and_validate(excluded_checks=[positive_data_acceptance])
+    assert response.status_code == 200, response.text

@@ -98,7 +98,7 @@ def test_a_failing_launcher_fails_the_job_with_a_launcher_error(
 
 
 @pytest.mark.e2e
-def test_cancel_stops_every_rank_of_a_runningjob_row(settings: Settings, sessions: sessionmaker) -> None:
+def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
     thread, out = run_in_thread(settings, job_id)
     wait_step(sessions, job_id, 2)

@@ -115,7 +115,8 @@ def _without_zip_crc32() -> Iterator[None]:
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = temp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        # 0600 like the checkpoint itself (hashed_file), whatever the umask of the rank.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -31,13 +31,14 @@ def _open(path: Path) -> tuple[int, bool]:
     # on a VM that hands freed memory back to its host) nor pushes the training data out of the
     # cache, and the final fsync has nothing left to write back. tmpfs and some others refuse it.
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    # 0600 whatever the umask: a checkpoint is the job owner's work, never other local accounts'.
     if _O_DIRECT:
         try:
-            return os.open(path, flags | _O_DIRECT, 0o666), True
+            return os.open(path, flags | _O_DIRECT, 0o600), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, 0o666), False
+    return os.open(path, flags, 0o600), False
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ def redirect_output(log_path: Path) -> Callable[[], None]:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = (os.dup(1), os.dup(2))
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # 0600: a rank's output may print its data or its secrets; the worker, its owner, reads it.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
