@@ -300,6 +300,14 @@ class Job(BaseModel):
         None,
         description="Why a queued job has not started yet, e.g. `waiting for 2 nodes with 2 free cpu slots`.",
     )
+    queue_position: int | None = Field(
+        None,
+        description="While queued: 1 for the job placement considers first among the queued jobs of its "
+        "device kind, 2 for the next, and so on (higher `priority` first; within a priority each owner's "
+        "first job, then each owner's second, ...; then oldest). Unplaceable jobs are not counted and have "
+        "none; jobs held by their owner's running limit are. Computed when the job is read, at most "
+        "`DPTRAIN_SCHEDULE_INTERVAL_SECONDS` old from an API process's poll cache; null once not queued.",
+    )
     unplaceable: bool = Field(
         False,
         description="True while the job is queued and no set of live nodes of its device kind could ever "

@@ -33,6 +33,9 @@ class UserUpdate(Strict):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     can_run_code: bool | None = Field(None, description="Grant or withdraw running user code.")
+    max_priority: int | None = Field(
+        None, ge=0, le=1000, description="The highest job `priority` the user may submit (default 0)."
+    )
 
 
 class UserInfo(BaseModel):
@@ -41,6 +44,9 @@ class UserInfo(BaseModel):
     name: str
     admin: bool
     can_run_code: bool
+    max_priority: int = Field(
+        0, description="The highest job `priority` they may submit, as granted; admins may submit up to 1000."
+    )
     created_at: datetime
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from bench.common import BENCHMARKS_MD, RESULTS_JSON, ROOT, Result, merge_results, render_markdown
 
 # In the order of the issue; `memory` is the activation-checkpointing benchmark that came first, and
-# `data_pipeline` (the DataLoader input pipeline) came after it.
+# `data_pipeline` (the DataLoader input pipeline) came after it, then `placement` (issue 22).
 BENCHMARKS = [
     "engine_overhead",
     "engine_world2",
@@ -33,6 +33,7 @@ BENCHMARKS = [
     "gpu",
     "memory",
     "data_pipeline",
+    "placement",
 ]
 FINDINGS = ROOT / "bench" / "findings.md"
 INTRO = (

@@ -57,6 +57,8 @@ def running_stack(tmp: Path, *, worker: bool, api_workers: int = 1, **extra_env:
             OMP_NUM_THREADS="1",
             # The benchmark clients poll and submit faster than one token's default 20/s allows.
             DPTRAIN_RATE_LIMIT_PER_SECOND="0",
+            # api_load queues thousands of jobs as one user; the queued cap would refuse all but 100.
+            DPTRAIN_MAX_QUEUED_PER_USER="0",
             **extra_env,
         )
         port = free_port()

@@ -243,8 +243,10 @@ def status(job_id: str, output: Output = OUTPUT) -> None:
     p = job.progress
     say(f"{job.id}  {job.name}  {job.status.value}  step {p.step}/{p.total_steps}  attempt {job.attempt}")
     say(f"owner {job.owner}  created {job.created_at.isoformat()}")
-    if job.queued_reason and job.status is JobStatus.QUEUED:
-        say(f"queued: {job.queued_reason}")
+    if job.status is JobStatus.QUEUED and (job.queued_reason or job.queue_position):
+        kind = job.spec.resources.device
+        place = f"#{job.queue_position} in the {kind} queue" if job.queue_position else ""
+        say(f"queued: {'; '.join(s for s in (place, job.queued_reason) if s)}")
     for warning in job.warnings:
         say(f"warning: {warning}")
     for name, value in sorted(job.latest_metrics.items()):

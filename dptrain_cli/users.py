@@ -92,8 +92,16 @@ def grant(
     can_run_code: bool | None = typer.Option(
         None, "--can-run-code/--no-can-run-code", help=f"{_CAN_RUN_CODE} Left out: unchanged."
     ),
+    max_priority: int | None = typer.Option(
+        None, "--max-priority", min=0, max=1000, help="The highest job priority they may submit (default 0)."
+    ),
 ) -> None:
     """Change what an existing user may do, and print what they may do now."""
-    info = _in_db(lambda s: _service().grant(s, actor=None, name=name, can_run_code=can_run_code))
+    info = _in_db(
+        lambda s: _service().grant(
+            s, actor=None, name=name, can_run_code=can_run_code, max_priority=max_priority
+        )
+    )
     may = "may" if info.can_run_code or info.admin else "may not"
-    out.print(f"{escape(name)} {may} run code{' (an admin)' if info.admin else ''}")
+    ceiling = 1000 if info.admin else info.max_priority
+    out.print(f"{escape(name)} {may} run code, up to priority {ceiling}{' (an admin)' if info.admin else ''}")

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     max_tokens_per_user: int = Field(20, ge=1)
     # A user's jobs running at once (admins included); placement leaves the rest queued, with a reason.
     max_running_jobs_per_user: int = Field(4, ge=1)
+    # A user's jobs queued at once (admins included); a submit beyond it answers 409 with the reason.
+    # It bounds what one user's flood costs every placement round and every queue position. 0: no cap.
+    max_queued_per_user: int = Field(100, ge=0)
     # uvicorn's access log, a line per request (`dptrain api`).
     access_log: bool = False
     # Database connections each process keeps open (as many again may open for bursts). The API

@@ -1,8 +1,8 @@
 """case-insensitive user names: a unique index on lower(users.name)
 
 Revision ID: 0011
-Revises: 0009
-Create Date: 2026-11-27 09:00:00.000000
+Revises: 0010
+Create Date: 2026-11-25 09:00:00.000000
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0011"
-down_revision = "0009"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 

@@ -14,7 +14,8 @@ Why the cache can never keep a stale answer:
 - Without a working LISTEN (not yet connected, connection lost, a ping unanswered) the cache is
   off and empty: every poll reads the database, as if there were no cache. It clears again when the
   listener is back, since notifications sent meanwhile are lost.
-- Entries also expire after `max_age` seconds, a bound for anything not foreseen here.
+- Entries also expire after `max_age` seconds, a bound for anything not foreseen here; a queued job's
+  sooner (its caller's `max_age`): its queue position moves when other jobs do, unnotified.
 
 Hand-written because no library keeps an in-process cache coherent with PostgreSQL NOTIFY; the
 LISTEN itself is psycopg's.
@@ -79,8 +80,17 @@ class JobPollCache:
         """Whether an answer read when `seq` was `seen_seq` may be stored now."""
         return self._enabled and seen_seq == self.seq
 
-    def put(self, job_id: str, *, owner_id: int, etag: str, body: bytes, seen_seq: int) -> None:
-        """Keep an answer read when `seq` was `seen_seq`, unless something changed since."""
+    def put(
+        self,
+        job_id: str,
+        *,
+        owner_id: int,
+        etag: str,
+        body: bytes,
+        seen_seq: int,
+        max_age: float | None = None,
+    ) -> None:
+        """Keep an answer read when `seq` was `seen_seq` unless anything changed; `max_age` if sooner."""
         if not self.accepts(seen_seq):
             return
         if len(self._entries) >= self.MAX_ENTRIES:
@@ -88,7 +98,8 @@ class JobPollCache:
             self._entries = {k: e for k, e in self._entries.items() if e.expires > now}
             if len(self._entries) >= self.MAX_ENTRIES:
                 self._entries.clear()
-        self._entries[job_id] = CachedJob(owner_id, etag, body, self.clock() + self.max_age)
+        age = self.max_age if max_age is None else min(max_age, self.max_age)
+        self._entries[job_id] = CachedJob(owner_id, etag, body, self.clock() + age)
 
     def invalidate(self, job_id: str) -> None:
         """A committed change of the job was notified: drop its answer."""

@@ -81,7 +81,7 @@ async def submit_job(
 ) -> Job:
     """Submit a job; it is queued, and placement starts it on free nodes once committed."""
 
-    def accept(session: Session) -> tuple[JobRow, bool]:
+    def accept(session: Session) -> tuple[JobRow, bool, int | None]:
         # Every rule of the spec itself ran when FastAPI validated it; this server's code policy is left.
         policy.check_user_code(session, user=user, spec=spec, settings=settings)
         policy.check_data_paths(spec=spec, settings=settings)
@@ -93,13 +93,13 @@ async def submit_job(
             )
         if created:
             after_commit(session, scheduler.kick)
-        return job, created
+        return job, created, service.queue_position(session, job=job)
 
     # Async with the insert, the commit and the publish in one threadpool hop (see get_job).
-    job, created = await run_in_transaction(session, accept)
+    job, created, position = await run_in_transaction(session, accept)
     if not created:
         response.status_code = status.HTTP_200_OK
-    return service.to_schema(job, owner=user.name)
+    return service.to_schema(job, owner=user.name, position=position)
 
 
 def _iso_8601(value: object) -> object:
@@ -155,7 +155,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=Job, responses=error_responses(NotFound) | _NOT_MODIFIED)
-async def get_job(job_id: JobId, request: Request, user: CurrentUser) -> Response:
+async def get_job(job_id: JobId, request: Request, user: CurrentUser, settings: SettingsDep) -> Response:
     """One job; answers 304 when `If-None-Match` holds its current ETag."""
     # The hot path of every client that polls: answered from this process's job cache when it
     # can (no database round trip, no threadpool hop), else with one query in one hop. The ETag
@@ -165,16 +165,19 @@ async def get_job(job_id: JobId, request: Request, user: CurrentUser) -> Respons
     if hit is not None and service.can_see(user, owner_id=hit.owner_id):
         return conditional(request, etag=hit.etag, render=lambda: hit.body)
     seen_seq = cache.seq
-    job, owner = await run_read(request, service.get_visible_with_owner, user=user, job_id=job_id)
-    etag = service.job_etag(job, owner=owner)
+    job, owner, position = await run_read(request, service.get_visible_with_owner, user=user, job_id=job_id)
+    etag = service.job_etag(job, owner=owner, position=position)
 
     def render() -> bytes:
-        return service.to_schema(job, owner=owner).model_dump_json().encode()
+        return service.to_schema(job, owner=owner, position=position).model_dump_json().encode()
 
     if not cache.accepts(seen_seq):
         return conditional(request, etag=etag, render=render)  # built only for a 200
     body = render()
-    cache.put(job_id, owner_id=job.owner_id, etag=etag, body=body, seen_seq=seen_seq)
+    # A queued job's position moves with other jobs, which no notification of its own row reports:
+    # kept no longer than a placement interval, so a poll shows it at most that old.
+    max_age = settings.schedule_interval_seconds if job.status == JobStatus.QUEUED.value else None
+    cache.put(job_id, owner_id=job.owner_id, etag=etag, body=body, seen_seq=seen_seq, max_age=max_age)
     return conditional(request, etag=etag, render=lambda: body)
 
 

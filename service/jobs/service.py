@@ -30,6 +30,7 @@ from service.jobs import lifecycle, repository, stored
 from service.jobs.stored import INVALID_SPEC
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
+from service.scheduling import queue
 from service.scheduling import service as scheduling
 from service.scheduling.placement import Pending
 
@@ -44,8 +45,8 @@ def can_see(user: User, *, owner_id: int) -> bool:
     return _visible_owner(user) in (None, owner_id)
 
 
-def to_schema(job: JobRow, *, owner: str) -> Job:
-    """The wire form of a job row; a stored spec that does not validate shows as the job's error."""
+def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
+    """The wire form of a job row (`position`: its queue position); a bad stored spec shows as its error."""
     spec, problem = stored.shown_spec(job.spec, name=job.name)
     error = stored.shown_error(job.error)
     if error is None and problem is not None:
@@ -68,6 +69,7 @@ def to_schema(job: JobRow, *, owner: str) -> Job:
         error=error,
         latest_metrics=stored.shown_metrics(job.latest_metrics),
         queued_reason=job.queued_reason if queued else None,
+        queue_position=position if queued else None,
         unplaceable=unplaceable,
         # The reason of an unplaceable job is placement.never_fits's sentence: the warning itself.
         warnings=[job.queued_reason] if unplaceable and job.queued_reason else [],
@@ -89,6 +91,7 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
     if (params := spec.recipe_params()) is not None:
         stored["hyperparameters"].update(params.model_dump(mode="json"))
     job_id = uuid.uuid4().hex
+    queue.check_priority(user=user, spec=spec)
     never = None
     if settings is not None:
         # Said in the submit's answer at once, rather than only after the next placement round.
@@ -108,6 +111,8 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
         "status": JobStatus.QUEUED.value,
         "spec": stored,
         "priority": spec.priority,
+        "device": spec.resources.device,
+        "fair_key": queue.fair_key(session, user=user, spec=spec),
         "labels": dict(spec.labels),
         "total_steps": spec.hyperparameters.steps,
         "max_restarts": spec.max_restarts,
@@ -126,9 +131,12 @@ def spec_hash(stored: dict[str, Any]) -> str:
 def submit(session: Session, *, user: User, spec: JobSpec, settings: Settings | None = None) -> JobRow:
     """Record a new queued job (the caller kicks placement once the transaction has committed)."""
     # With `settings` (the API always passes them) a job that no set of live nodes could ever hold
-    # is recorded unplaceable at once; without them, placement's next round finds it so.
+    # is recorded unplaceable at once (without them, placement's next round finds it so), and the
+    # owner's queued-jobs cap holds. Forbidden above the user's priority ceiling either way.
     job, _ = _insert(session, values=_row_values(session, user=user, spec=spec, settings=settings))
     assert job is not None
+    if settings is not None:
+        queue.check_queue_cap(session, user=user, settings=settings)
     return job
 
 
@@ -144,6 +152,9 @@ def submit_once(
     values = _row_values(session, user=user, spec=spec, settings=settings)
     values |= {"idempotency_key": key, "request_hash": spec_hash(values["spec"])}
     job, created = _insert(session, values=values)
+    if created and settings is not None:
+        # A replay adds no job, so only a job created now counts against the cap.
+        queue.check_queue_cap(session, user=user, settings=settings)
     if job is None:
         job = repository.by_idempotency_key(session, owner_id=user.id, key=key)
         if job is None:  # the winner rolled back after all: never happens without a crash; retry
@@ -170,25 +181,32 @@ def get_visible(session: Session, *, user: User, job_id: str) -> JobRow:
     return job
 
 
-def get_visible_with_owner(session: Session, *, user: User, job_id: str) -> tuple[JobRow, str]:
-    """A job the user may see and its owner's name (one query), or NotFound."""
+def get_visible_with_owner(session: Session, *, user: User, job_id: str) -> tuple[JobRow, str, int | None]:
+    """A job the user may see, its owner's name (one query) and its queue position, or NotFound."""
     found = repository.get_with_owner_name(session, job_id=job_id, owner_id=_visible_owner(user))
     if found is None:
         raise NotFound(f"job {job_id!r} not found")
-    return found
+    job, owner = found
+    return job, owner, queue_position(session, job=job)
+
+
+def queue_position(session: Session, *, job: JobRow) -> int | None:
+    """The job's queue position while it is queued and placeable (docs/api.md); else None."""
+    return queue.positions(session, jobs=[job]).get(job.id)
 
 
 # Part of every job ETag: bump it whenever the JSON of an unchanged row changes (a field added to
 # `Job`, another rendering of one), so clients holding an old ETag get the new body.
-JOB_REPRESENTATION = 2
+JOB_REPRESENTATION = 3
 
 
-def job_etag(job: JobRow, *, owner: str) -> str:
+def job_etag(job: JobRow, *, owner: str, position: int | None = None) -> str:
     """The ETag of a job's JSON, from its row version rather than its body (which a 304 never builds).
 
     `updated_at` moves with every UPDATE of the row (an `onupdate`, or set explicitly), so it
     versions every field of the answer; status, step, attempt and `cancel_requested` are added so
-    that even two writes within one microsecond of each other give different tags.
+    that even two writes within one microsecond of each other give different tags. A queued job's
+    `position` moves without its row changing (other jobs start, leave or arrive), so it is part too.
     """
     return etag_of_version(
         JOB_REPRESENTATION,
@@ -199,13 +217,15 @@ def job_etag(job: JobRow, *, owner: str) -> str:
         job.attempt,
         job.cancel_requested,
         owner,
+        position,
     )
 
 
 def present(session: Session, *, jobs: Sequence[JobRow]) -> list[Job]:
     """Wire forms of several jobs with their owners' names in one query."""
     names = repository.owner_names(session, owner_ids={j.owner_id for j in jobs})
-    return [to_schema(j, owner=names.get(j.owner_id, "?")) for j in jobs]
+    places = queue.positions(session, jobs=jobs)
+    return [to_schema(j, owner=names.get(j.owner_id, "?"), position=places.get(j.id)) for j in jobs]
 
 
 def list_jobs(

@@ -5,7 +5,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Index, SmallInteger, String, Text, UniqueConstraint
+from sqlalchemy import (
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    SmallInteger,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.models.base import Base, BigId, utcnow
@@ -24,6 +34,26 @@ class Job(Base):
         UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
         # Placement reads queued jobs highest priority first, then oldest.
         Index("ix_jobs_placement", "status", "priority", "created_at", "id"),
+        # Queue positions, and the fair key of a submit (migration 0010).
+        Index(
+            "ix_jobs_queue",
+            "device",
+            "priority",
+            "fair_key",
+            "created_at",
+            "id",
+            postgresql_where=text("status = 'queued' AND NOT unplaceable"),
+            sqlite_where=text("status = 'queued' AND NOT unplaceable"),
+        ),
+        Index(
+            "ix_jobs_queue_owner",
+            "owner_id",
+            "device",
+            "priority",
+            "fair_key",
+            postgresql_where=text("status = 'queued'"),
+            sqlite_where=text("status = 'queued'"),
+        ),
         # Counts by status, and a status-filtered page in keyset order without a sort.
         Index("ix_jobs_status_created", "status", "created_at", "id"),
         # `updated_since` polling, and the start-delay histogram of /metrics.
@@ -75,6 +105,13 @@ class Job(Base):
     # says what it needs and what the nodes offer). Set at submit, kept current by every placement
     # round, cleared when placed; shown only while the job is queued.
     unplaceable: Mapped[bool] = mapped_column(default=False)
+    # The spec's `resources.device`, as a column: queues are per device kind (head-of-line blocking,
+    # queue positions), and placement partitions by it without reading every spec.
+    device: Mapped[str] = mapped_column(String(8), default="cpu")
+    # The job's place in its (device, priority) queue, set at submit: one more than its owner's last
+    # queued job there, and never before the queue's current head. Ordering by it takes each owner's
+    # first queued job, then each owner's second, and so on (service/scheduling/queue.py).
+    fair_key: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class JobTransition(Base):

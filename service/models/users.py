@@ -18,6 +18,8 @@ class User(Base):
     is_admin: Mapped[bool] = mapped_column(default=False)
     # May upload code and submit jobs that run it (an entrypoint, a command); admins always may.
     can_run_code: Mapped[bool] = mapped_column(default=False)
+    # The highest job `priority` they may submit (an admin grants more); admins are not bound by it.
+    max_priority: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -1,7 +1,9 @@
 """Where queued jobs run: the placement decision itself, pure (no SQL), so its rules are tested directly.
 
 The rules, in order:
-- Jobs are considered highest `priority` first, then oldest first.
+- Jobs are considered in the order given: highest `priority` first, then, within a priority and
+  device kind, each owner's first queued job, then each owner's second, and so on (`fair_key`,
+  service/scheduling/queue.py), then oldest first.
 - A job whose owner already has `max_running` jobs running waits, without holding up anyone else.
 - A job is placed all-or-nothing: `nodes` live nodes of its device kind, each with
   `processes_per_node` free slots, or none at all. Nothing is ever reserved for a job that is not
@@ -16,6 +18,7 @@ The rules, in order:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -97,35 +100,50 @@ def decide(
     `nodes` are the live nodes with their free slots (updated in place as jobs are placed);
     `running` counts running jobs per owner (also updated).
     """
-    blocked: set[str] = set()
-    decisions = []
-    for job in pending:
-        decisions.append(
-            _decide_one(job, nodes=nodes, running=running, max_running=max_running, blocked=blocked)
-        )
-    return decisions
+    state = _Round(nodes=nodes, running=running, max_running=max_running)
+    return [state.decide(job) for job in pending]
 
 
-def _decide_one(
-    job: Pending, *, nodes: Sequence[Node], running: dict[int, int], max_running: int, blocked: set[str]
-) -> Decision:
-    # Before the owner's limit: that wait ends by itself, this one only when the cluster changes.
-    if (never := never_fits(job, nodes)) is not None:
-        return Decision(job.job_id, reason=never, unplaceable=True)
-    if running.get(job.owner_id, 0) >= max_running:
-        return Decision(
-            job.job_id,
-            reason=f"waiting: its owner has {running[job.owner_id]} jobs running, the limit is {max_running}",
+class _Round:
+    """What one round has decided so far: the device kinds blocked, and `never_fits` per job shape."""
+
+    def __init__(self, *, nodes: Sequence[Node], running: dict[int, int], max_running: int) -> None:
+        self.running, self.max_running = running, max_running
+        self.by_device: dict[str, list[Node]] = {}
+        for n in nodes:
+            self.by_device.setdefault(n.device, []).append(n)
+        self.blocked: set[str] = set()
+        # Jobs of a round share a handful of shapes; each asks never_fits once, not once per job
+        # (with a thousand nodes and hundreds of jobs that was most of a round).
+        self.never: dict[tuple[str, int, int], str | None] = {}
+
+    def never_fits(self, job: Pending) -> str | None:
+        shape = (job.device, job.nodes, job.processes_per_node)
+        if shape not in self.never:
+            self.never[shape] = never_fits(job, self.by_device.get(job.device, []))
+        return self.never[shape]
+
+    def decide(self, job: Pending) -> Decision:
+        # Before the owner's limit: that wait ends by itself, this one only when the cluster changes.
+        if (never := self.never_fits(job)) is not None:
+            return Decision(job.job_id, reason=never, unplaceable=True)
+        if self.running.get(job.owner_id, 0) >= self.max_running:
+            return Decision(
+                job.job_id,
+                reason=f"waiting: its owner has {self.running[job.owner_id]} jobs running, "
+                f"the limit is {self.max_running}",
+            )
+        if job.device in self.blocked:
+            return Decision(job.job_id, reason=f"waiting for {wanted(job)}: behind earlier {job.device} jobs")
+        fit = heapq.nsmallest(
+            job.nodes,
+            (n for n in self.by_device.get(job.device, []) if n.free >= job.processes_per_node),
+            key=lambda n: (n.free, n.name),
         )
-    able = [n for n in nodes if n.device == job.device and n.slots >= job.processes_per_node]
-    if job.device in blocked:
-        return Decision(job.job_id, reason=f"waiting for {wanted(job)}: behind earlier {job.device} jobs")
-    fit = sorted((n for n in able if n.free >= job.processes_per_node), key=lambda n: (n.free, n.name))
-    if len(fit) < job.nodes:
-        blocked.add(job.device)
-        return Decision(job.job_id, reason=f"waiting for {wanted(job)}: {len(fit)} such now")
-    chosen = fit[: job.nodes]
-    for n in chosen:
-        n.free -= job.processes_per_node
-    running[job.owner_id] = running.get(job.owner_id, 0) + 1
-    return Decision(job.job_id, nodes=chosen)
+        if len(fit) < job.nodes:
+            self.blocked.add(job.device)
+            return Decision(job.job_id, reason=f"waiting for {wanted(job)}: {len(fit)} such now")
+        for n in fit:
+            n.free -= job.processes_per_node
+        self.running[job.owner_id] = self.running.get(job.owner_id, 0) + 1
+        return Decision(job.job_id, nodes=fit)

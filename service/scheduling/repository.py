@@ -9,11 +9,9 @@ from typing import Any, NamedTuple, cast
 
 from pydantic import ValidationError
 from sqlalchemy import (
-    ColumnElement,
     Select,
     Table,
     bindparam,
-    case,
     delete,
     func,
     insert,
@@ -91,34 +89,11 @@ class Unreadable(NamedTuple):
     problem: str
 
 
-def queued_in_order(session: Session, *, limit: int) -> tuple[list[Queued], list[Unreadable]]:
-    """The first `limit` queued jobs, top priority then oldest; those it cannot read apart, never an error."""
-    # Only the spec's `resources`, extracted by the database as JSON text: decoding every queued job's
-    # whole spec was half of an API process's CPU under a stream of submits (bench/findings.md, section 4).
-    resources = Job.spec["resources"].as_string()
-    if is_postgresql(session):
-        kind: ColumnElement[str | None] = func.jsonb_typeof(Job.spec)
-    else:
-        # SQLite's JSON functions fail the whole query on one row whose text they cannot parse (an
-        # older version stored NaN and Infinity there): json_valid() first (a CASE is lazy).
-        kind = case((func.json_valid(Job.spec) == 1, func.json_type(Job.spec)), else_="invalid JSON")
-        resources = case((kind == "object", resources))
-    stmt = (
-        select(Job.id, Job.owner_id, kind, resources, Job.queued_reason, Job.unplaceable)
-        .where(Job.status == JobStatus.QUEUED.value)
-        .order_by(Job.priority.desc(), Job.created_at, Job.id)
-        .limit(limit)
-    )
-    queued, unreadable = [], []
-    for job_id, owner, spec_kind, text, reason, unplaceable in session.execute(stmt):
-        needs = (
-            _needs(text) if spec_kind == "object" else f"the stored spec is not a JSON object: {spec_kind}"
-        )
-        if isinstance(needs, str):
-            unreadable.append(Unreadable(job_id, needs))
-        else:
-            queued.append(Queued(job_id, int(owner), needs, reason, bool(unplaceable)))
-    return queued, unreadable
+def needs_of(spec_kind: str | None, resources: str | None) -> QueuedNeeds | str:
+    """What a queued job asks for, from its spec's JSON type and `resources` text; else what is wrong."""
+    if spec_kind != "object":
+        return f"the stored spec is not a JSON object: {spec_kind}"
+    return _needs(resources)
 
 
 @lru_cache(maxsize=256)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -20,15 +21,12 @@ from service.dispatch import Dispatcher, NodeStart
 from service.jobs import lifecycle
 from service.jobs.stored import INVALID_SPEC
 from service.models.base import utcnow
-from service.scheduling import repository
+from service.scheduling import queue_repository, repository
 from service.scheduling.placement import Decision, Node, Pending, decide, never_fits
-from service.scheduling.repository import Wait
+from service.scheduling.repository import Queued, Unreadable, Wait
 
 log = logging.getLogger(__name__)
 
-# Queued jobs looked at per round. Strict order means the first ones decide anyway; the bound keeps
-# a round cheap when thousands are queued.
-SCAN_LIMIT = 500
 # A node counts as live for placement while its heartbeat is younger than this many beats: tighter
 # than the attempt lease, so a job restarting after a node died is not placed on that node again.
 LIVE_BEATS = 3
@@ -54,11 +52,6 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
     """One placement round in the caller's transaction; returns what to start once it commits."""
     now = utcnow()
     workers = repository.lock_live_nodes(session, beat_after=now - live_after(settings))
-    queued, unreadable = repository.queued_in_order(session, limit=SCAN_LIMIT)
-    for job_id, problem in unreadable:
-        _fail_unreadable(session, job_id=job_id, problem=problem)
-    if not queued:
-        return []
     used = repository.used_slots(session)
     nodes = [
         Node(
@@ -66,6 +59,13 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
         )
         for w in workers
     ]
+    # First, so that a job that fits again is among the heads read next, this same round.
+    _judge_unplaceable(session, nodes=nodes)
+    queued, unreadable = queued_heads(session, settings=settings)
+    for job_id, problem in unreadable:
+        _fail_unreadable(session, job_id=job_id, problem=problem)
+    if not queued:
+        return []
     pending = [
         Pending(
             job_id=q.job_id,
@@ -85,6 +85,7 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
     )
     ports = repository.ports_in_use(session)
     placed: list[Placed] = []
+    rows: list[dict[str, Any]] = []
     waits: dict[str, Wait] = {}
     for job, decision in zip(pending, decisions, strict=True):
         if not decision.placed:
@@ -99,10 +100,47 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
                 waits[job.job_id] = Wait(NO_PORT)
                 continue
             ports.add(port)
-        if (started := _start(session, job=job, decision=decision, port=port)) is not None:
+        if (started := _start(session, job=job, decision=decision, port=port, rows=rows)) is not None:
             placed.append(started)
+    # One INSERT for every placed job's nodes (a round trip per job was a third of a busy round).
+    if rows:
+        repository.add_nodes(session, rows=rows)
     repository.set_reasons(session, waits=waits)
     return placed
+
+
+def queued_heads(session: Session, *, settings: Settings) -> tuple[list[Queued], list[Unreadable]]:
+    """The queued jobs a round looks at, in placement order, and those whose stored spec it cannot read.
+
+    Each owner's first `max_running + 1` queued jobs of each device kind (one if the owner is at
+    its limit), unplaceable ones left out. No more could matter this round: of an owner's jobs of
+    one kind, at most `max_running` start, and the first one that fits but not now holds up every
+    later job of that kind. So one owner's thousands of queued jobs never hide another's.
+    """
+    limit = settings.max_running_jobs_per_user
+    rows = queue_repository.heads(session, per_owner=limit + 1, max_running=limit)
+    queued, unreadable = [], []
+    for row in rows:
+        needs = repository.needs_of(row.spec_kind, row.resources)
+        if isinstance(needs, str):
+            unreadable.append(Unreadable(row.job_id, needs))
+        else:
+            queued.append(Queued(row.job_id, row.owner_id, needs, row.queued_reason, row.unplaceable))
+    return queued, unreadable
+
+
+def _judge_unplaceable(session: Session, *, nodes: list[Node]) -> None:
+    """Judge again every job flagged unplaceable, a group per shape: clear it once nodes could hold it."""
+    for group in queue_repository.unplaceable_groups(session):
+        needs = repository.needs_of(group.spec_kind, group.resources)
+        if isinstance(needs, str):
+            # Let the heads read it, and fail it with this reason.
+            queue_repository.set_group(session, group=group, reason=None, unplaceable=False)
+            continue
+        shape = Pending("", 0, needs.device, needs.nodes, needs.processes_per_node)
+        never = never_fits(shape, [n for n in nodes if n.device == needs.device])
+        if never is None or never != group.queued_reason:
+            queue_repository.set_group(session, group=group, reason=never, unplaceable=never is not None)
 
 
 def unplaceable_reason(session: Session, *, job: Pending, settings: Settings) -> str | None:
@@ -133,30 +171,30 @@ def _free_port(ports: set[int], *, settings: Settings) -> int | None:
     return None
 
 
-def _start(session: Session, *, job: Pending, decision: Decision, port: int | None) -> Placed | None:
-    """Move the job to `running` with a new attempt on the decided nodes; None if it left `queued`."""
+def _start(
+    session: Session, *, job: Pending, decision: Decision, port: int | None, rows: list[dict[str, Any]]
+) -> Placed | None:
+    """Move the job to `running` with a new attempt on the decided nodes (their job_nodes rows added to
+    `rows`, for the caller to insert); None if it left `queued`."""
     names = [n.name for n in decision.nodes]
     row = lifecycle.claim(session, job_id=job.job_id, worker=names[0], reason=f"placed on {', '.join(names)}")
     if row is None:  # cancelled since it was read
         return None
     now = utcnow()
-    repository.add_nodes(
-        session,
-        rows=[
-            {
-                "job_id": job.job_id,
-                "node_rank": rank,
-                "attempt": row.attempt,
-                "worker": node.name,
-                "slots": job.processes_per_node,
-                "address": node.address,
-                "port": port if rank == 0 else None,
-                "placed_at": now,
-                "started_at": None,
-            }
-            for rank, node in enumerate(decision.nodes)
-        ],
-    )
+    rows += [
+        {
+            "job_id": job.job_id,
+            "node_rank": rank,
+            "attempt": row.attempt,
+            "worker": node.name,
+            "slots": job.processes_per_node,
+            "address": node.address,
+            "port": port if rank == 0 else None,
+            "placed_at": now,
+            "started_at": None,
+        }
+        for rank, node in enumerate(decision.nodes)
+    ]
     endpoint = f"{decision.nodes[0].address}:{port}" if port is not None else ""
     starts = [
         NodeStart(job_id=job.job_id, attempt=row.attempt, node_rank=rank, worker=name, endpoint=endpoint)

@@ -35,6 +35,11 @@ def set_can_run_code(session: Session, *, user_id: int, allowed: bool) -> None:
     session.execute(update(User).where(User.id == user_id).values(can_run_code=allowed))
 
 
+def set_max_priority(session: Session, *, user_id: int, ceiling: int) -> None:
+    """Set the highest job priority a user may submit."""
+    session.execute(update(User).where(User.id == user_id).values(max_priority=ceiling))
+
+
 def add_token(session: Session, *, user_id: int, token_hash: str) -> None:
     """Store one more token hash of a user (a hash already stored is left as it is)."""
     stmt = (

@@ -43,7 +43,9 @@ def who_am_i(user: CurrentUser) -> UserInfo:
 @router.patch("/{name}/permissions", response_model=UserInfo, responses=error_responses(Forbidden, NotFound))
 def update_user(name: UserPath, body: UserUpdate, session: SessionDep, user: CurrentUser) -> UserInfo:
     """Change what a user may do (admins only); fields left out stay as they are."""
-    return service.grant(session, actor=user, name=name, can_run_code=body.can_run_code)
+    return service.grant(
+        session, actor=user, name=name, can_run_code=body.can_run_code, max_priority=body.max_priority
+    )
 
 
 @router.post(

@@ -16,7 +16,11 @@ from service.users import repository
 def to_info(user: User) -> UserInfo:
     """The wire form of a user."""
     return UserInfo(
-        name=user.name, admin=user.is_admin, can_run_code=user.can_run_code, created_at=user.created_at
+        name=user.name,
+        admin=user.is_admin,
+        can_run_code=user.can_run_code,
+        max_priority=user.max_priority,
+        created_at=user.created_at,
     )
 
 
@@ -42,13 +46,26 @@ def create_by(
     return create(session, name=name, admin=admin, can_run_code=can_run_code)
 
 
-def grant(session: Session, *, actor: User | None, name: str, can_run_code: bool | None) -> UserInfo:
-    """Grant or withdraw running user code, None leaving it (admins, or the server-side CLI: actor None)."""
+def grant(
+    session: Session,
+    *,
+    actor: User | None,
+    name: str,
+    can_run_code: bool | None,
+    max_priority: int | None = None,
+) -> UserInfo:
+    """Change running user code or the priority ceiling, None leaving it (admins, or the CLI: actor None)."""
     if actor is not None and not actor.is_admin:
         raise Forbidden("only an admin can change what a user may do")
     user = _target(session, actor=actor, name=name)
+    changed = False
     if can_run_code is not None and can_run_code != user.can_run_code:
         repository.set_can_run_code(session, user_id=user.id, allowed=can_run_code)
+        changed = True
+    if max_priority is not None and max_priority != user.max_priority:
+        repository.set_max_priority(session, user_id=user.id, ceiling=max_priority)
+        changed = True
+    if changed:
         # This process's token cache holds the user as they were: look them up again after the commit.
         forget_user_on_commit(session, user.id)
         session.refresh(user)

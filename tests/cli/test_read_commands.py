@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from api_schemas import JobStatus
 from service.jobs import lifecycle
 from service.models import Checkpoint, LogLine, Metric
+from tests.api_fixtures import register_node
 from tests.backends import sessions_of
 from tests.cli.conftest import dptrain
 
@@ -143,3 +144,10 @@ def test_a_job_no_node_can_hold_warns_and_ends_wait_with_exit_5(
     assert "warning: no live node" in said and "stays queued" in said, r.stderr
     job = api.get(f"/v1/jobs/{r.stdout.strip()}").json()
     assert job["status"] == "queued" and job["unplaceable"] is True
+
+
+def test_status_says_where_a_queued_job_stands(api: TestClient, spec_file: Callable[..., Path]) -> None:
+    register_node(sessions_of(api), name="roomy", slots=8)
+    first, second = (dptrain("submit", spec_file(name=n)).stdout.strip() for n in ("one", "two"))
+    text = dptrain("status", second)
+    assert text.exit_code == 0 and "queued: #2 in the cpu queue" in text.stdout, text.stdout

@@ -85,7 +85,8 @@ class TestPlacement:
         leo = client.post("/v1/jobs", json=_spec("leo"), headers=as_user(add_user(db, "leo"))).json()["id"]
         limited = settings.model_copy(update={"max_running_jobs_per_user": 2})
         placed = schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=limited)
-        assert placed == [ids[0], ids[1], leo], placed
+        # leo's first job comes before kim's second: each owner's first queued job, then the seconds.
+        assert placed == [ids[0], leo, ids[1]], placed
         assert _job(db, ids[2]).queued_reason == "waiting: its owner has 2 jobs running, the limit is 2"
         with sessions.begin() as s:
             lifecycle.transition(s, job_id=ids[0], src=JobStatus.RUNNING, dst=JobStatus.SUCCEEDED)

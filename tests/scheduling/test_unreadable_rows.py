@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.scheduling import repository
-from service.scheduling.service import schedule_once
+from service.scheduling.service import queued_heads, schedule_once
 from tests.api_fixtures import RecordingDispatcher, register_node, submit
 from tests.backends import BACKENDS, client_on, sessions_of, store_raw
 
@@ -93,9 +93,10 @@ def test_the_unreadable_job_fails_with_its_reason_and_the_round_places_the_other
 
 
 def test_a_readable_spec_asks_for_its_resources(api: TestClient) -> None:
+    register_node(sessions_of(api), name="roomy", slots=4)  # else it is unplaceable: no round reads it
     job = submit(api, resources={"nodes": 1, "processes_per_node": 4, "device": "cpu"})
     with sessions_of(api)() as s:
-        queued, unreadable = repository.queued_in_order(s, limit=10)
+        queued, unreadable = queued_heads(s, settings=api.app.state.settings)  # type: ignore[attr-defined]
     assert unreadable == [], unreadable
     assert [(q.job_id, q.needs) for q in queued] == [
         (job["id"], repository.QueuedNeeds(device="cpu", nodes=1, processes_per_node=4))
@@ -103,8 +104,9 @@ def test_a_readable_spec_asks_for_its_resources(api: TestClient) -> None:
 
 
 def test_a_spec_without_resources_asks_for_the_defaults(api: TestClient) -> None:
+    register_node(sessions_of(api), name="roomy", slots=4)
     job = submit(api)
     store_raw(api, job_id=job["id"], column="spec", raw=json.dumps({"name": "bare", "recipe": "mlp"}))
     with sessions_of(api)() as s:
-        queued, unreadable = repository.queued_in_order(s, limit=10)
+        queued, unreadable = queued_heads(s, settings=api.app.state.settings)  # type: ignore[attr-defined]
     assert (unreadable, [q.needs for q in queued]) == ([], [repository.QueuedNeeds("cpu", 1, 1)])

@@ -68,6 +68,8 @@
           el("dt", { text: "recipe" }), el("dd", { text: job.spec.recipe || job.spec.entrypoint }),
           el("dt", { text: "ranks" }), el("dd", { text: `${job.spec.resources.nodes} × ${job.spec.resources.processes_per_node} ${job.spec.resources.device}` }),
           el("dt", { text: "attempt" }), el("dd", { text: String(job.attempt) }),
+          job.queue_position ? el("dt", { text: "queue position" }) : null,
+          job.queue_position ? el("dd", { id: "queue-position", text: `#${job.queue_position} in the ${job.spec.resources.device} queue` }) : null,
           job.queued_reason ? el("dt", { text: "waiting" }) : null,
           job.queued_reason ? el("dd", { id: "queued-reason", text: job.queued_reason }) : null,
           el("dt", { text: "submitted" }), el("dd", { text: `${ago(job.created_at)} (${job.created_at})` }),

@@ -82,7 +82,7 @@
       },
       // Ticking a box picks the job; it does not open it.
       el("td", { class: "select", onclick: (ev) => ev.stopPropagation() }, checkbox(j.id)),
-      el("td", {}, badge(j.status)),
+      el("td", {}, badge(j.status), j.queue_position ? el("span", { class: "muted", title: "queue position", text: ` #${j.queue_position}` }) : null),
       el("td", {}, progressBar(j.progress)),
       el("td", {}, el("a", { href: `#/jobs/${j.id}`, text: j.name })),
       el("td", { text: j.owner }),
