@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, ScalarSelect, func, insert, select, update
+from sqlalchemy import ColumnElement, ScalarSelect, case, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus
@@ -117,6 +117,58 @@ def claim(session: Session, *, job_id: str, worker: str, reason: str | None = No
             "unplaceable": False,
         },
     )
+
+
+def claim_many(session: Session, *, workers: Mapping[str, str], reasons: Mapping[str, str]) -> dict[str, int]:
+    """Start a new attempt of each queued job in `workers` (job id -> node 0) in one guarded UPDATE.
+
+    The batch form of `claim`, for a placement round that starts many jobs: one UPDATE and one
+    INSERT of their timeline rows instead of two round trips a job, which were most of a busy
+    round's time. The same guard (each row only while still `queued`); returns the attempt of each
+    job claimed, so a job cancelled since it was read is simply left out.
+    """
+    if not workers:
+        return {}
+    now = utcnow()
+    ids = list(workers)
+    # A fresh fencing token and node 0 per job, chosen by id within the one statement.
+    tokens = {job_id: uuid.uuid4().hex for job_id in ids}
+    stmt = (
+        update(Job)
+        .where(Job.id.in_(ids), Job.status == JobStatus.QUEUED.value)
+        .values(
+            status=JobStatus.RUNNING.value,
+            updated_at=now,
+            attempt=Job.attempt + 1,
+            claim_token=case(tokens, value=Job.id),
+            worker=case(dict(workers), value=Job.id),
+            started_at=now,
+            error=None,
+            queued_reason=None,
+            unplaceable=False,
+        )
+        .returning(Job.id, Job.attempt)
+        # Columns returned, not entities, and no Job of these rows is held by a placement round's
+        # session: nothing in its identity map to bring up to date.
+        .execution_options(synchronize_session=False)
+    )
+    claimed = {job_id: attempt for job_id, attempt in session.execute(stmt)}
+    if claimed:
+        session.execute(
+            insert(JobTransition),
+            [
+                {
+                    "job_id": job_id,
+                    "at": now,
+                    "from_status": JobStatus.QUEUED.value,
+                    "to_status": JobStatus.RUNNING.value,
+                    "attempt": attempt,
+                    "reason": reasons.get(job_id),
+                }
+                for job_id, attempt in claimed.items()
+            ],
+        )
+    return claimed
 
 
 def resume_step(job_id: str) -> ScalarSelect[int]:

@@ -84,8 +84,7 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
         max_running=settings.max_running_jobs_per_user,
     )
     ports = repository.ports_in_use(session)
-    placed: list[Placed] = []
-    rows: list[dict[str, Any]] = []
+    chosen: list[tuple[Pending, Decision, int | None]] = []
     waits: dict[str, Wait] = {}
     for job, decision in zip(pending, decisions, strict=True):
         if not decision.placed:
@@ -100,11 +99,8 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
                 waits[job.job_id] = Wait(NO_PORT)
                 continue
             ports.add(port)
-        if (started := _start(session, job=job, decision=decision, port=port, rows=rows)) is not None:
-            placed.append(started)
-    # One INSERT for every placed job's nodes (a round trip per job was a third of a busy round).
-    if rows:
-        repository.add_nodes(session, rows=rows)
+        chosen.append((job, decision, port))
+    placed = _start(session, chosen=chosen)
     repository.set_reasons(session, waits=waits)
     return placed
 
@@ -171,36 +167,44 @@ def _free_port(ports: set[int], *, settings: Settings) -> int | None:
     return None
 
 
-def _start(
-    session: Session, *, job: Pending, decision: Decision, port: int | None, rows: list[dict[str, Any]]
-) -> Placed | None:
-    """Move the job to `running` with a new attempt on the decided nodes (their job_nodes rows added to
-    `rows`, for the caller to insert); None if it left `queued`."""
-    names = [n.name for n in decision.nodes]
-    row = lifecycle.claim(session, job_id=job.job_id, worker=names[0], reason=f"placed on {', '.join(names)}")
-    if row is None:  # cancelled since it was read
-        return None
+def _start(session: Session, *, chosen: list[tuple[Pending, Decision, int | None]]) -> list[Placed]:
+    """Move the chosen jobs to `running` with a new attempt on their nodes, in one claim and one INSERT
+    of their job_nodes rows; a job that left `queued` since it was read is left out."""
+    names = {job.job_id: [n.name for n in decision.nodes] for job, decision, _port in chosen}
+    attempts = lifecycle.claim_many(
+        session,
+        workers={job_id: nodes[0] for job_id, nodes in names.items()},
+        reasons={job_id: f"placed on {', '.join(nodes)}" for job_id, nodes in names.items()},
+    )
     now = utcnow()
-    rows += [
-        {
-            "job_id": job.job_id,
-            "node_rank": rank,
-            "attempt": row.attempt,
-            "worker": node.name,
-            "slots": job.processes_per_node,
-            "address": node.address,
-            "port": port if rank == 0 else None,
-            "placed_at": now,
-            "started_at": None,
-        }
-        for rank, node in enumerate(decision.nodes)
-    ]
-    endpoint = f"{decision.nodes[0].address}:{port}" if port is not None else ""
-    starts = [
-        NodeStart(job_id=job.job_id, attempt=row.attempt, node_rank=rank, worker=name, endpoint=endpoint)
-        for rank, name in enumerate(names)
-    ]
-    return Placed(job_id=job.job_id, starts=starts)
+    rows: list[dict[str, Any]] = []
+    placed: list[Placed] = []
+    for job, decision, port in chosen:
+        if (attempt := attempts.get(job.job_id)) is None:  # cancelled since it was read
+            continue
+        rows += [
+            {
+                "job_id": job.job_id,
+                "node_rank": rank,
+                "attempt": attempt,
+                "worker": node.name,
+                "slots": job.processes_per_node,
+                "address": node.address,
+                "port": port if rank == 0 else None,
+                "placed_at": now,
+                "started_at": None,
+            }
+            for rank, node in enumerate(decision.nodes)
+        ]
+        endpoint = f"{decision.nodes[0].address}:{port}" if port is not None else ""
+        starts = [
+            NodeStart(job_id=job.job_id, attempt=attempt, node_rank=rank, worker=name, endpoint=endpoint)
+            for rank, name in enumerate(names[job.job_id])
+        ]
+        placed.append(Placed(job_id=job.job_id, starts=starts))
+    if rows:
+        repository.add_nodes(session, rows=rows)
+    return placed
 
 
 def send(dispatcher: Dispatcher, placed: list[Placed]) -> None:

@@ -15,7 +15,7 @@ from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, service
-from service.models import Job, JobNode, Worker
+from service.models import Job, JobNode, JobTransition, Worker
 from service.models.base import utcnow
 from service.scheduling import repository
 from service.scheduling.service import republish_unstarted, schedule_once
@@ -93,6 +93,36 @@ class TestPlacement:
         assert schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=limited) == [
             ids[2]
         ]
+
+    def test_a_round_claims_its_jobs_together_each_with_its_own_attempt_token_and_timeline(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
+    ) -> None:
+        register_node(sessions, name="wide", slots=8)
+        ids = [client.post("/v1/jobs", json=_spec(f"j{i}", ppn=2)).json()["id"] for i in range(3)]
+        sent = RecordingDispatcher()
+        assert schedule_once(sessions=sessions, dispatcher=sent, settings=settings) == ids
+        jobs = [_job(db, i) for i in ids]
+        assert [(j.status, j.attempt, j.worker) for j in jobs] == [("running", 1, "wide")] * 3
+        assert len({j.claim_token for j in jobs}) == 3 and all(j.claim_token for j in jobs)
+        for job_id in ids:
+            (last,) = db.scalars(
+                select(JobTransition).where(
+                    JobTransition.job_id == job_id, JobTransition.to_status == "running"
+                )
+            )
+            assert (last.from_status, last.attempt, last.reason) == ("queued", 1, "placed on wide")
+
+    def test_a_job_cancelled_after_the_round_read_it_is_not_claimed(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session
+    ) -> None:
+        kept, gone = (client.post("/v1/jobs", json=_spec(n)).json()["id"] for n in ("kept", "gone"))
+        client.post(f"/v1/jobs/{gone}/cancel")
+        with sessions.begin() as s:
+            claimed = lifecycle.claim_many(
+                s, workers={kept: "n0", gone: "n0"}, reasons={kept: "placed on n0"}
+            )
+        assert claimed == {kept: 1}, claimed
+        assert (_job(db, kept).status, _job(db, gone).status) == ("running", "cancelled")
 
     def test_a_node_that_stopped_beating_gets_nothing(
         self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
