@@ -305,9 +305,13 @@ def requested_world(value: Any) -> int:
 
 @pytest.fixture
 def settings(settings: Settings) -> Settings:
-    """No rate limit (hypothesis posts hundreds of specs) and two allowed entrypoint prefixes."""
+    """No rate limit nor queued cap (hypothesis posts hundreds of specs); two allowed entrypoint prefixes."""
     return settings.model_copy(
-        update={"rate_limit_per_second": 0.0, "allowed_entrypoints": ",".join(ALLOWED_PREFIXES)}
+        update={
+            "rate_limit_per_second": 0.0,
+            "max_queued_per_user": 0,
+            "allowed_entrypoints": ",".join(ALLOWED_PREFIXES),
+        }
     )
 
 
