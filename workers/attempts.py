@@ -208,6 +208,11 @@ def record_outcome(
         dst, reason = lifecycle.end_of_cancelled_run(finished=finished)
         finish(sessions, job_id=job_id, token=token, dst=dst, reason=reason)
         return dst
+    if stopped_for == "deadline" and reporter.state.finished:
+        # As with a cancel: the work finished (every step, the final checkpoint) before the stop.
+        reason = "finished before the deadline took effect"
+        finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED, reason=reason)
+        return JobStatus.SUCCEEDED
     if stopped_for == "deadline":
         error = JobError(type="DeadlineExceeded", message=f"deadline exceeded ({max_runtime} s)")
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)

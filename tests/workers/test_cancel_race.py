@@ -1,4 +1,4 @@
-"""A cancel racing the end of a run: work that finished first is `succeeded`, anything else `cancelled`.
+"""A cancel (or the deadline) racing the end of a run: work that finished first is `succeeded`.
 
 In the test's process, without ranks: the run's event file is written as rank 0 writes it, the cancel
 is requested through the jobs service, and the runner's reporter and end decision run as after torchrun
@@ -28,10 +28,19 @@ settings, sessions = node_fixtures()
 STEPS = 4
 
 
-def _end_after_cancel(
-    settings: Settings, sessions: sessionmaker[Session], *, last_step: int, finished: bool, node_rank: int = 0
+def _end_after_stop(
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    *,
+    last_step: int,
+    finished: bool,
+    node_rank: int = 0,
+    stop: str = "cancel",
 ) -> tuple[str, JobStatus]:
-    """Run a job to `last_step` (checkpointed; `finished`: the engine said so), cancel it, end it."""
+    """Run a job to `last_step` (checkpointed; `finished`: the engine said so), stop it, end it.
+
+    `stop`: a cancel (requested through the service), or the job's deadline.
+    """
     spec = job_spec(name="race", hyperparameters={"global_batch_size": 8, "steps": STEPS, "hidden_size": 8})
     job_id = submit_as_admin(sessions, spec)
     attempt = place_here(settings, job_id=job_id)
@@ -44,23 +53,24 @@ def _end_after_cancel(
     if finished:
         events.emit(FinishedEvent(step=last_step))
     events.close()
-    with sessions.begin() as s:
-        service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
+    if stop == "cancel":
+        with sessions.begin() as s:
+            service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
     job = job_row(sessions, job_id)
     att = Attempt(job_id=job_id, number=attempt, token=str(job.claim_token), max_restarts=0)
     reporter = Reporter(
         sessions=sessions, job_id=job_id, attempt=attempt, claim_token=att.token, run_dir=paths.run_dir
     )
     reporter.collect(final=True)
-    assert reporter.flush() and reporter.state.cancel_requested, "the runner reads the cancel request"
-    # The runner saw the request and signalled torchrun's group, whose ranks died of it (-15).
+    assert reporter.flush() and reporter.state.cancel_requested == (stop == "cancel"), "the runner reads it"
+    # The runner saw the request (or the deadline) and signalled torchrun's group, whose ranks died of it.
     watch = Watch(stall_seconds=60, grace=1, stop_file=None)
-    watch.stop("cancel")
+    watch.stop(stop)
     run = runner.NodeRun(
         att=att, node_rank=node_rank, nnodes=node_rank + 1, spec=job.spec, rendezvous=None, address=""
     )
     status = attempts.record_outcome(
-        sessions, reporter=reporter, run=run, rc=-15, watch=watch, paths=paths, max_runtime=None
+        sessions, reporter=reporter, run=run, rc=-15, watch=watch, paths=paths, max_runtime=60
     )
     return job_id, status
 
@@ -69,7 +79,7 @@ class TestCancelRace:
     def test_a_cancel_after_the_last_step_and_checkpoint_leaves_the_job_succeeded(
         self, settings: Settings, sessions: sessionmaker[Session]
     ) -> None:
-        job_id, status = _end_after_cancel(settings, sessions, last_step=STEPS, finished=True)
+        job_id, status = _end_after_stop(settings, sessions, last_step=STEPS, finished=True)
         job = job_row(sessions, job_id)
         assert (status, job.status) == (JobStatus.SUCCEEDED, "succeeded"), (status, job.status)
         assert job.cancel_requested, "the request stays visible: it came, too late to stop anything"
@@ -80,7 +90,7 @@ class TestCancelRace:
         self, settings: Settings, sessions: sessionmaker[Session]
     ) -> None:
         # Every step ran and was checkpointed, but the engine had not said it finished: not done.
-        job_id, status = _end_after_cancel(settings, sessions, last_step=STEPS, finished=False)
+        job_id, status = _end_after_stop(settings, sessions, last_step=STEPS, finished=False)
         job = job_row(sessions, job_id)
         assert (status, job.status) == (JobStatus.CANCELLED, "cancelled"), (status, job.status)
         assert timeline(sessions, job_id)[-1] == ("cancelled", "cancel requested")
@@ -91,5 +101,20 @@ class TestCancelRace:
     ) -> None:
         # Another node cannot know whether rank 0 finished first; racing node 0's record would let a
         # `cancelled` win over a finished run.
-        job_id, status = _end_after_cancel(settings, sessions, last_step=2, finished=finished, node_rank=1)
+        job_id, status = _end_after_stop(settings, sessions, last_step=2, finished=finished, node_rank=1)
         assert status is JobStatus.RUNNING and job_row(sessions, job_id).status == "running"
+
+    @pytest.mark.parametrize("finished", [True, False])
+    def test_a_deadline_after_the_work_finished_leaves_it_succeeded(
+        self, settings: Settings, sessions: sessionmaker[Session], finished: bool
+    ) -> None:
+        job_id, status = _end_after_stop(
+            settings, sessions, last_step=STEPS, finished=finished, stop="deadline"
+        )
+        job = job_row(sessions, job_id)
+        if finished:
+            assert (status, job.status, job.error) == (JobStatus.SUCCEEDED, "succeeded", None), job.error
+            assert timeline(sessions, job_id)[-1] == ("succeeded", "finished before the deadline took effect")
+        else:
+            assert (status, job.status) == (JobStatus.FAILED, "failed")
+            assert job.error is not None and job.error["type"] == "DeadlineExceeded", job.error
