@@ -1,5 +1,6 @@
 """The wire contract of dptrain's REST API v1 (pydantic v2); imports nothing else of ours."""
 
+from api_schemas.base import MAX_PRIORITY
 from api_schemas.jobs import (
     CheckpointInfo,
     CheckpointList,
@@ -29,6 +30,7 @@ from api_schemas.workers import Worker, WorkerList
 
 __all__ = [
     "EVAL_METRICS",
+    "MAX_PRIORITY",
     "EVAL_METRIC_PATTERN",
     "RECIPES",
     "CheckpointInfo",

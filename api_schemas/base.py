@@ -64,3 +64,7 @@ def check_json_value(value: Any) -> Any:
 
 
 JsonValue = Annotated[Any, AfterValidator(check_json_value)]
+
+# A job's `priority` is within +-MAX_PRIORITY; an admin may submit up to it, a user up to what an
+# admin granted (`max_priority`, at most this too).
+MAX_PRIORITY = 1000

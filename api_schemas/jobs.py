@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from api_schemas.base import JsonValue, Strict
+from api_schemas.base import MAX_PRIORITY, JsonValue, Strict
 from api_schemas.code import CodeRef, CommandArg, EnvName, EnvValue
 from api_schemas.data import DataSpec, data_rules
 from api_schemas.recipes import EVAL_METRICS, RECIPES
@@ -148,7 +148,7 @@ class JobSpec(Strict):
     )
     max_restarts: int = Field(0, ge=0, le=100)
     max_runtime_seconds: int | None = Field(None, ge=1, le=30 * 86_400)
-    priority: int = Field(0, ge=-1000, le=1000)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
 
     @property

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from api_schemas.base import MAX_PRIORITY
 from api_schemas.jobs import Strict
 
 UserName = Annotated[
@@ -34,7 +35,7 @@ class UserUpdate(Strict):
 
     can_run_code: bool | None = Field(None, description="Grant or withdraw running user code.")
     max_priority: int | None = Field(
-        None, ge=0, le=1000, description="The highest job `priority` the user may submit (default 0)."
+        None, ge=0, le=MAX_PRIORITY, description="The highest job `priority` the user may submit (default 0)."
     )
 
 

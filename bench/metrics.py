@@ -50,7 +50,7 @@ SPEC = {
 
 
 class NullScheduler:
-    """No placement: no worker runs these jobs."""
+    """No placement (no worker runs these jobs, or rounds are timed by hand)."""
 
     def kick(self) -> None:
         """Ignore it."""

@@ -48,6 +48,7 @@ from bench.common import (
     scratch_database,
     spread,
 )
+from bench.metrics import NullScheduler
 from service.app import create_app
 from service.config import Settings
 from service.db import session_factory
@@ -71,13 +72,6 @@ SPEC = {
     "hyperparameters": {"global_batch_size": 8, "steps": 10},
     "resources": {"processes_per_node": 1},
 }
-
-
-class NullScheduler:
-    """No placement thread."""
-
-    def kick(self) -> None:
-        """Ignore it."""
 
 
 class NullDispatcher:

@@ -128,10 +128,10 @@ class Client:
         retry_after = _seconds(r.headers.get("Retry-After"))
         raise api_error(r.status_code, detail, error=error, retry_after=retry_after)
 
-    def _send(self, method: str, path: str, *, retry: bool = True, **kw: Any) -> httpx.Response:
-        """One request; a retry-safe one is sent again on a broken connection, a 429 or a 503."""
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One request, sent again on a broken connection, a 429 or a 503 (each one retry-safe)."""
         for attempt in range(ATTEMPTS):
-            last = attempt == ATTEMPTS - 1 or not retry
+            last = attempt == ATTEMPTS - 1
             try:
                 r = self.http.request(method, path, **kw)
             except httpx.TransportError:
@@ -259,7 +259,7 @@ class Client:
         poll_interval: float = 1.0,
     ) -> Iterator[LogLine]:
         """A job's output lines in order (from after line id `after`); with `follow`, until it ends."""
-        cursor = after
+        cursor, ended = after, False
         while True:
             params = {k: v for k, v in {"after": cursor, "rank": rank}.items() if v is not None}
             page = LogPage.model_validate(self._json("GET", f"/v1/jobs/{job_id}/logs", params=params))
@@ -267,18 +267,12 @@ class Client:
             cursor = page.next_cursor
             if page.items:
                 continue
-            if not follow:
+            if not follow or ended:
                 return
-            # Read once more after seeing the job ended: lines shipped just before its end are kept.
-            if self.get(job_id).status.is_terminal():
-                params = {k: v for k, v in {"after": cursor, "rank": rank}.items() if v is not None}
-                last = LogPage.model_validate(self._json("GET", f"/v1/jobs/{job_id}/logs", params=params))
-                yield from last.items
-                if not last.items:
-                    return
-                cursor = last.next_cursor
-                continue
-            time.sleep(poll_interval)
+            # Seen ended, the loop reads once more: lines shipped just before its end are kept.
+            ended = self.get(job_id).status.is_terminal()
+            if not ended:
+                time.sleep(poll_interval)
 
     def metrics(
         self,

@@ -90,10 +90,16 @@ def watch_job(client: Client, job_id: str, *, interval: float, as_json: bool) ->
     if as_json:
         return client.wait(job_id, poll_interval=interval, on_progress=lambda j: emit_json(j, lines=True))
     with Live(console=out, auto_refresh=False, transient=False) as live:
+        curves: dict[str, list[float]] = {}
+        read_at: int | None = None  # the step the curves were read at
 
         def show(job: Job) -> None:
-            series = client.metrics(job.id, names=list(CURVES), max_points=SPARK_POINTS).series
-            curves = {name: [v for _step, v in points] for name, points in series.items()}
+            nonlocal curves, read_at
+            # The curves move only with the step: another change (a status, a reason) redraws alone.
+            if read_at != job.progress.step:
+                series = client.metrics(job.id, names=list(CURVES), max_points=SPARK_POINTS).series
+                curves = {name: [v for _step, v in points] for name, points in series.items()}
+                read_at = job.progress.step
             live.update(render(job, curves), refresh=True)
 
         return client.wait(job_id, poll_interval=interval, on_progress=show)

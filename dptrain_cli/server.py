@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
+from dptrain.settings import DEFAULT_HOME, HOME_ENV, TOKEN_FILE
 from dptrain_cli.extras import installed, require
 
 if TYPE_CHECKING:
@@ -140,11 +141,12 @@ def up(
 
     # Before anything is created: the home, its database and the token are this account's alone.
     private_umask()
-    home = Path(os.environ.get("DPTRAIN_HOME", ".dptrain")).resolve()
+    # Where the client looks for the token (dptrain/settings.py): one definition for both sides.
+    home = Path(os.environ.get(HOME_ENV) or DEFAULT_HOME).resolve()
     home.mkdir(parents=True, exist_ok=True)
-    os.environ["DPTRAIN_HOME"] = str(home)
+    os.environ[HOME_ENV] = str(home)
     token = os.environ.get("DPTRAIN_BOOTSTRAP_TOKEN")
-    token_file = home / "token"
+    token_file = home / TOKEN_FILE
     if not token:
         token = token_file.read_text().strip() if token_file.is_file() else secrets.token_urlsafe(24)
         os.environ["DPTRAIN_BOOTSTRAP_TOKEN"] = token
@@ -155,13 +157,8 @@ def up(
     cores = os.cpu_count() or 1
     slots = slots or settings.node_slots or max(cores, UP_MIN_SLOTS)
     supervisor = Supervisor()
+    # Ranks beyond the cores share them; the worker gives them one thread each (workers/rank_setup.py).
     env = dict(os.environ)
-    if slots > cores:
-        # Ranks will share cores. torchrun gives each rank of a multi-rank job one OpenMP thread,
-        # but a single rank one per core: beside another job's ranks, its threads then wait at
-        # every parallel region for descheduled peers, and its steps take many times longer. The
-        # ranks get the worker's OMP_NUM_THREADS (workers/rank_env.py): one thread each, unless set.
-        env.setdefault("OMP_NUM_THREADS", "1")
     worker_args = ["worker", "--device", "cpu", "--slots", str(slots)]
     supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS)
     api_args = ["api", "--host", host, "--port", str(port)]

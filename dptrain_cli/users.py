@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from api_schemas import MAX_PRIORITY
 from dptrain_cli.extras import require
 
 if TYPE_CHECKING:
@@ -93,7 +94,11 @@ def grant(
         None, "--can-run-code/--no-can-run-code", help=f"{_CAN_RUN_CODE} Left out: unchanged."
     ),
     max_priority: int | None = typer.Option(
-        None, "--max-priority", min=0, max=1000, help="The highest job priority they may submit (default 0)."
+        None,
+        "--max-priority",
+        min=0,
+        max=MAX_PRIORITY,
+        help="The highest job priority they may submit (default 0).",
     ),
 ) -> None:
     """Change what an existing user may do, and print what they may do now."""
@@ -103,5 +108,5 @@ def grant(
         )
     )
     may = "may" if info.can_run_code or info.admin else "may not"
-    ceiling = 1000 if info.admin else info.max_priority
+    ceiling = MAX_PRIORITY if info.admin else info.max_priority
     out.print(f"{escape(name)} {may} run code, up to priority {ceiling}{' (an admin)' if info.admin else ''}")

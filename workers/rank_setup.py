@@ -111,6 +111,13 @@ def prepare(
     env = rank_environment(
         worker_env=os.environ, dptrain=ours, user=spec.get("env") or {}, home=home, code_dir=code_dir
     )
+    if settings.node_slots > (os.cpu_count() or 1):
+        # More rank slots than cores (`dptrain up`'s default, or an operator's --slots): ranks share
+        # cores. torchrun gives each rank of a multi-rank job one OpenMP thread, but a single rank one
+        # per core: beside another job's ranks, its threads then wait at every parallel region for
+        # descheduled peers, and its steps take many times longer. One thread each, unless the
+        # operator or the job set it.
+        env.setdefault("OMP_NUM_THREADS", "1")
     return RankSetup(cwd=code_dir or run_dir, env=env, run_as=run_as)
 
 

@@ -97,32 +97,16 @@ def record_created(session: Session, *, job: Job) -> None:
 
 
 def claim(session: Session, *, job_id: str, worker: str, reason: str | None = None) -> Job | None:
-    """Start a new attempt of a queued job with a fresh fencing token; None if it is not queued.
-
-    Placement (service.scheduling) calls this for the jobs it places, `worker` being node 0.
-    """
-    return transition(
-        session,
-        job_id=job_id,
-        src=JobStatus.QUEUED,
-        dst=JobStatus.RUNNING,
-        reason=reason or f"placed on {worker}",
-        values={
-            "attempt": Job.attempt + 1,
-            "claim_token": uuid.uuid4().hex,
-            "started_at": utcnow(),
-            "worker": worker,
-            "error": None,
-            "queued_reason": None,
-            "unplaceable": False,
-        },
-    )
+    """Start a new attempt of one queued job (`claim_many` of one); its row now, None if it is not queued."""
+    if not claim_many(session, workers={job_id: worker}, reasons={job_id: reason or f"placed on {worker}"}):
+        return None
+    return session.get(Job, job_id, populate_existing=True)
 
 
 def claim_many(session: Session, *, workers: Mapping[str, str], reasons: Mapping[str, str]) -> dict[str, int]:
     """Start a new attempt of each queued job in `workers` (job id -> node 0) in one guarded UPDATE.
 
-    The batch form of `claim`, for a placement round that starts many jobs: one UPDATE and one
+    What placement calls for the jobs a round places (`worker` being each one's node 0): one UPDATE and one
     INSERT of their timeline rows instead of two round trips a job, which were most of a busy
     round's time. The same guard (each row only while still `queued`); returns the attempt of each
     job claimed, so a job cancelled since it was read is simply left out.

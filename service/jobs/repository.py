@@ -25,6 +25,7 @@ from api_schemas import JobStatus
 from service.db import insert_for, is_postgresql
 from service.jobs import metrics_repository, rollups_repository
 from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
+from service.scheduling import queue_repository
 
 
 def encode_cursor(job: Job) -> str:
@@ -55,13 +56,18 @@ def get(session: Session, *, job_id: str, owner_id: int | None = None) -> Job | 
 
 def get_with_owner_name(
     session: Session, *, job_id: str, owner_id: int | None = None
-) -> tuple[Job, str] | None:
-    """A job by id with its owner's name, in one query; optionally only if it belongs to `owner_id`."""
-    stmt = select(Job, User.name).join(User, User.id == Job.owner_id).where(Job.id == job_id)
+) -> tuple[Job, str, int | None] | None:
+    """A job by id with its owner's name and its queue position, in one query; optionally only if
+    it belongs to `owner_id`."""
+    stmt = (
+        select(Job, User.name, queue_repository.position_of_job())
+        .join(User, User.id == Job.owner_id)
+        .where(Job.id == job_id)
+    )
     if owner_id is not None:
         stmt = stmt.where(Job.owner_id == owner_id)
     row = session.execute(stmt).first()
-    return None if row is None else (row[0], row[1])
+    return None if row is None else (row[0], row[1], row[2])
 
 
 def insert_job(session: Session, *, values: dict[str, Any]) -> Job | None:

@@ -182,12 +182,11 @@ def get_visible(session: Session, *, user: User, job_id: str) -> JobRow:
 
 
 def get_visible_with_owner(session: Session, *, user: User, job_id: str) -> tuple[JobRow, str, int | None]:
-    """A job the user may see, its owner's name (one query) and its queue position, or NotFound."""
+    """A job the user may see, its owner's name and its queue position (one query), or NotFound."""
     found = repository.get_with_owner_name(session, job_id=job_id, owner_id=_visible_owner(user))
     if found is None:
         raise NotFound(f"job {job_id!r} not found")
-    job, owner = found
-    return job, owner, queue_position(session, job=job)
+    return found
 
 
 def queue_position(session: Session, *, job: JobRow) -> int | None:

@@ -32,8 +32,6 @@ class Job(Base):
         # One job per (owner, Idempotency-Key): concurrent retries of a submit create one job.
         # NULL keys (submits without the header) never collide.
         UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
-        # Placement reads queued jobs highest priority first, then oldest.
-        Index("ix_jobs_placement", "status", "priority", "created_at", "id"),
         # Queue positions, and the fair key of a submit (migration 0010).
         Index(
             "ix_jobs_queue",

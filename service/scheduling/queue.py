@@ -14,14 +14,12 @@ from collections.abc import Iterable
 
 from sqlalchemy.orm import Session
 
-from api_schemas import JobSpec, JobStatus
+from api_schemas import MAX_PRIORITY, JobSpec, JobStatus
 from service.config import Settings
 from service.errors import Conflict, Forbidden
 from service.models import Job, User
 from service.scheduling import queue_repository
-
-# What an admin may submit: the spec's own bound.
-ADMIN_CEILING = 1000
+from service.users import repository as users_repository
 
 
 class QueueFull(Conflict):
@@ -30,7 +28,7 @@ class QueueFull(Conflict):
 
 def ceiling(user: User) -> int:
     """The highest `priority` `user` may submit."""
-    return ADMIN_CEILING if user.is_admin else user.max_priority
+    return MAX_PRIORITY if user.is_admin else user.max_priority
 
 
 def check_priority(*, user: User, spec: JobSpec) -> None:
@@ -62,7 +60,7 @@ def check_queue_cap(session: Session, *, user: User, settings: Settings) -> None
     cap = settings.max_queued_per_user
     if cap == 0:
         return
-    queue_repository.lock_owner(session, owner_id=user.id)
+    users_repository.lock_user(session, user_id=user.id)
     if queue_repository.queued_count(session, owner_id=user.id, up_to=cap + 1) > cap:
         raise QueueFull(
             f"user {user.name} already has {cap} jobs queued, the most DPTRAIN_MAX_QUEUED_PER_USER allows: "

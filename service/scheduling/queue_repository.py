@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, aliased
 
 from api_schemas import JobStatus
 from service.db import is_postgresql
-from service.models import Job, User
+from service.models import Job
 
 QUEUED = Job.status == JobStatus.QUEUED.value
 
@@ -45,30 +45,19 @@ def fair_key(session: Session, *, owner_id: int, device: str, priority: int) -> 
     return max(int(head_key or 0), int(last_key) + 1 if last_key is not None else 0)
 
 
-def lock_owner(session: Session, *, owner_id: int) -> None:
-    """Lock the owner's row until this transaction ends: submits of one owner count their queue in turn."""
-    # FOR NO KEY UPDATE, not FOR UPDATE: the job just inserted holds FOR KEY SHARE on this row (its
-    # foreign key), which FOR UPDATE would wait on in every other submit of the owner: a deadlock.
-    # SQLite has no row locks, and needs none: the insert already took its one database write lock.
-    if is_postgresql(session):
-        session.execute(select(User.id).where(User.id == owner_id).with_for_update(key_share=True))
-
-
 def queued_count(session: Session, *, owner_id: int, up_to: int) -> int:
     """How many jobs `owner_id` has queued, counting no further than `up_to` (so the cost is bounded)."""
     mine = select(Job.id).where(Job.owner_id == owner_id, QUEUED).limit(up_to).subquery()
     return int(session.execute(select(func.count()).select_from(mine)).scalar_one())
 
 
-def positions(session: Session, *, job_ids: list[str]) -> dict[str, int]:
-    """The 1-based queue position of each of `job_ids` that is queued and not unplaceable.
+def position_of_job() -> ColumnElement[int | None]:
+    """SQL for the 1-based queue position of the `Job` row a query selects; NULL unless it is queued.
 
     Among the queued jobs of its device kind that are not unplaceable, in placement order: higher
-    `priority` first, then `fair_key`, then oldest. One statement; each count reads the index
-    entries ahead of its job (`ix_jobs_queue`).
+    `priority` first, then `fair_key`, then oldest. Each count reads the index entries ahead of its
+    job (`ix_jobs_queue`); a column of the query that reads the job, so it costs no round trip.
     """
-    if not job_ids:
-        return {}
     ahead = aliased(Job)
     count = (
         select(func.count())
@@ -88,8 +77,15 @@ def positions(session: Session, *, job_ids: list[str]) -> dict[str, int]:
         .correlate(Job)
         .scalar_subquery()
     )
-    stmt = select(Job.id, count).where(Job.id.in_(job_ids), QUEUED, ~Job.unplaceable)
-    return {job_id: int(n) + 1 for job_id, n in session.execute(stmt)}
+    return case((and_(QUEUED, ~Job.unplaceable), count + 1))
+
+
+def positions(session: Session, *, job_ids: list[str]) -> dict[str, int]:
+    """The queue position of each of `job_ids` that has one (`position_of_job`), in one statement."""
+    if not job_ids:
+        return {}
+    stmt = select(Job.id, position_of_job()).where(Job.id.in_(job_ids), QUEUED, ~Job.unplaceable)
+    return {job_id: int(n) for job_id, n in session.execute(stmt) if n is not None}
 
 
 class Head(NamedTuple):
@@ -100,21 +96,15 @@ class Head(NamedTuple):
     spec_kind: str | None
     resources: str | None
     queued_reason: str | None
-    unplaceable: bool
 
 
-def heads(session: Session, *, per_owner: int, max_running: int) -> list[Head]:
+def heads(session: Session, *, per_owner: int, at_limit: set[int]) -> list[Head]:
     """Each owner's first queued jobs of each device kind, in placement order; unplaceable ones left out.
 
-    `per_owner` of them per (owner, device kind), one for an owner already at `max_running` (its
-    reason is kept current; the rest of its queue could not start this round anyway).
+    `per_owner` of them per (owner, device kind), one for an owner in `at_limit` (those already at
+    their running limit: its reason is kept current; the rest of its queue could not start this
+    round anyway).
     """
-    running = (
-        select(Job.owner_id, func.count().label("n"))
-        .where(Job.status == JobStatus.RUNNING.value)
-        .group_by(Job.owner_id)
-        .subquery()
-    )
     order = (Job.priority.desc(), Job.fair_key, Job.created_at, Job.id)
     ranked = (
         select(
@@ -125,21 +115,16 @@ def heads(session: Session, *, per_owner: int, max_running: int) -> list[Head]:
         .where(QUEUED, ~Job.unplaceable)
         .subquery()
     )
-    room = case((func.coalesce(running.c.n, 0) >= max_running, 1), else_=per_owner)
-    chosen = (
-        select(ranked.c.id)
-        .outerjoin(running, running.c.owner_id == ranked.c.owner_id)
-        .where(ranked.c.rn <= room)
-        .subquery()
-    )
+    room = case((ranked.c.owner_id.in_(at_limit), 1), else_=per_owner) if at_limit else per_owner
+    chosen = select(ranked.c.id).where(ranked.c.rn <= room).subquery()
     # The spec's parts only for the chosen rows: the window above reads the index columns alone.
     kind, resources = spec_parts(session)
     stmt = (
-        select(Job.id, Job.owner_id, kind, resources, Job.queued_reason, Job.unplaceable)
+        select(Job.id, Job.owner_id, kind, resources, Job.queued_reason)
         .join(chosen, chosen.c.id == Job.id)
         .order_by(*order)
     )
-    return [Head(j, int(o), k, r, reason, bool(u)) for j, o, k, r, reason, u in session.execute(stmt)]
+    return [Head(j, int(o), k, r, reason) for j, o, k, r, reason in session.execute(stmt)]
 
 
 class Flagged(NamedTuple):
@@ -148,18 +133,17 @@ class Flagged(NamedTuple):
     spec_kind: str | None
     resources: str | None
     queued_reason: str | None
-    jobs: int
 
 
 def unplaceable_groups(session: Session) -> list[Flagged]:
     """The queued jobs flagged unplaceable, grouped by what they ask for: each round judges them again."""
     kind, resources = spec_parts(session)
     stmt = (
-        select(kind, resources, Job.queued_reason, func.count())
+        select(kind, resources, Job.queued_reason)
         .where(QUEUED, Job.unplaceable)
         .group_by(kind, resources, Job.queued_reason)
     )
-    return [Flagged(k, r, reason, int(n)) for k, r, reason, n in session.execute(stmt)]
+    return [Flagged(k, r, reason) for k, r, reason in session.execute(stmt)]
 
 
 def set_group(session: Session, *, group: Flagged, reason: str | None, unplaceable: bool) -> None:

@@ -79,7 +79,6 @@ class Queued(NamedTuple):
     owner_id: int
     needs: QueuedNeeds
     queued_reason: str | None
-    unplaceable: bool
 
 
 class Unreadable(NamedTuple):

@@ -61,7 +61,8 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
     ]
     # First, so that a job that fits again is among the heads read next, this same round.
     _judge_unplaceable(session, nodes=nodes)
-    queued, unreadable = queued_heads(session, settings=settings)
+    running = repository.running_per_owner(session)
+    queued, unreadable = queued_heads(session, running=running, settings=settings)
     for job_id, problem in unreadable:
         _fail_unreadable(session, job_id=job_id, problem=problem)
     if not queued:
@@ -76,11 +77,12 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
         )
         for q in queued
     ]
-    before = {q.job_id: Wait(q.queued_reason or "", q.unplaceable) for q in queued}
+    # Heads are never flagged unplaceable (that is judged above, a group per shape).
+    before = {q.job_id: Wait(q.queued_reason or "") for q in queued}
     decisions = decide(
         pending,
         nodes=nodes,
-        running=repository.running_per_owner(session),
+        running=running,
         max_running=settings.max_running_jobs_per_user,
     )
     ports = repository.ports_in_use(session)
@@ -105,7 +107,9 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
     return placed
 
 
-def queued_heads(session: Session, *, settings: Settings) -> tuple[list[Queued], list[Unreadable]]:
+def queued_heads(
+    session: Session, *, running: dict[int, int], settings: Settings
+) -> tuple[list[Queued], list[Unreadable]]:
     """The queued jobs a round looks at, in placement order, and those whose stored spec it cannot read.
 
     Each owner's first `max_running + 1` queued jobs of each device kind (one if the owner is at
@@ -114,14 +118,15 @@ def queued_heads(session: Session, *, settings: Settings) -> tuple[list[Queued],
     later job of that kind. So one owner's thousands of queued jobs never hide another's.
     """
     limit = settings.max_running_jobs_per_user
-    rows = queue_repository.heads(session, per_owner=limit + 1, max_running=limit)
+    at_limit = {owner for owner, n in running.items() if n >= limit}
+    rows = queue_repository.heads(session, per_owner=limit + 1, at_limit=at_limit)
     queued, unreadable = [], []
     for row in rows:
         needs = repository.needs_of(row.spec_kind, row.resources)
         if isinstance(needs, str):
             unreadable.append(Unreadable(row.job_id, needs))
         else:
-            queued.append(Queued(row.job_id, row.owner_id, needs, row.queued_reason, row.unplaceable))
+            queued.append(Queued(row.job_id, row.owner_id, needs, row.queued_reason))
     return queued, unreadable
 
 
@@ -134,7 +139,7 @@ def _judge_unplaceable(session: Session, *, nodes: list[Node]) -> None:
             queue_repository.set_group(session, group=group, reason=None, unplaceable=False)
             continue
         shape = Pending("", 0, needs.device, needs.nodes, needs.processes_per_node)
-        never = never_fits(shape, [n for n in nodes if n.device == needs.device])
+        never = never_fits(shape, nodes)
         if never is None or never != group.queued_reason:
             queue_repository.set_group(session, group=group, reason=never, unplaceable=never is not None)
 

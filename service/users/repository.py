@@ -7,7 +7,7 @@ from datetime import datetime
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service.db import insert_for
+from service.db import insert_for, is_postgresql
 from service.models import ApiToken, User
 
 
@@ -50,12 +50,22 @@ def add_token(session: Session, *, user_id: int, token_hash: str) -> None:
     session.execute(stmt)
 
 
+def lock_user(session: Session, *, user_id: int) -> None:
+    """Lock the user's row until this transaction ends: what counts against one of the user's caps
+    (queued jobs, live tokens) is counted by one transaction at a time."""
+    # FOR NO KEY UPDATE, not FOR UPDATE: a job just inserted holds FOR KEY SHARE on this row (its
+    # foreign key), which FOR UPDATE would wait on in every other submit of the user: a deadlock.
+    # SQLite has no row locks, and needs none: a write already took its one database write lock.
+    if is_postgresql(session):
+        session.execute(select(User.id).where(User.id == user_id).with_for_update(key_share=True))
+
+
 def live_token_count(session: Session, *, user_id: int) -> int:
     """How many unrevoked tokens a user holds, with the user's row locked until the commit.
 
-    Locked so that two concurrent mints cannot both pass a cap (PostgreSQL; SQLite has one writer anyway).
+    Locked so that two concurrent mints cannot both pass a cap.
     """
-    session.execute(select(User.id).where(User.id == user_id).with_for_update())
+    lock_user(session, user_id=user_id)
     stmt = select(func.count()).where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
     return int(session.execute(stmt).scalar_one())
 

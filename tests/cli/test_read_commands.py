@@ -31,8 +31,8 @@ def job_id(api: TestClient, spec_file: Callable[..., Path]) -> str:
     return r.stdout.strip()
 
 
-def add_rows(api: TestClient, job_id: str, *rows: Any) -> None:
-    """Write `rows` (log lines, metrics, checkpoints of `job_id`) as the worker's reporter would."""
+def add_rows(api: TestClient, *rows: Any) -> None:
+    """Write `rows` (log lines, metrics, checkpoints) as the worker's reporter would."""
     with sessions_of(api).begin() as s:
         s.add_all(rows)
 
@@ -40,7 +40,6 @@ def add_rows(api: TestClient, job_id: str, *rows: Any) -> None:
 def test_log_lines_are_printed_whole_and_inert(api: TestClient, job_id: str) -> None:
     add_rows(
         api,
-        job_id,
         LogLine(job_id=job_id, attempt=1, rank=0, line=HOSTILE),
         LogLine(job_id=job_id, attempt=1, rank=1, line=LONG),
         LogLine(job_id=job_id, attempt=1, rank=None, line="launcher\tdone"),
@@ -87,7 +86,6 @@ def test_download_writes_the_checkpoint_of_a_step(api: TestClient, job_id: str, 
         files[step] = path
     add_rows(
         api,
-        job_id,
         *(
             Checkpoint(
                 job_id=job_id,

@@ -96,7 +96,7 @@ def test_a_readable_spec_asks_for_its_resources(api: TestClient) -> None:
     register_node(sessions_of(api), name="roomy", slots=4)  # else it is unplaceable: no round reads it
     job = submit(api, resources={"nodes": 1, "processes_per_node": 4, "device": "cpu"})
     with sessions_of(api)() as s:
-        queued, unreadable = queued_heads(s, settings=api.app.state.settings)  # type: ignore[attr-defined]
+        queued, unreadable = queued_heads(s, running={}, settings=api.app.state.settings)  # type: ignore[attr-defined]
     assert unreadable == [], unreadable
     assert [(q.job_id, q.needs) for q in queued] == [
         (job["id"], repository.QueuedNeeds(device="cpu", nodes=1, processes_per_node=4))
@@ -108,5 +108,5 @@ def test_a_spec_without_resources_asks_for_the_defaults(api: TestClient) -> None
     job = submit(api)
     store_raw(api, job_id=job["id"], column="spec", raw=json.dumps({"name": "bare", "recipe": "mlp"}))
     with sessions_of(api)() as s:
-        queued, unreadable = queued_heads(s, settings=api.app.state.settings)  # type: ignore[attr-defined]
+        queued, unreadable = queued_heads(s, running={}, settings=api.app.state.settings)  # type: ignore[attr-defined]
     assert (unreadable, [q.needs for q in queued]) == ([], [repository.QueuedNeeds("cpu", 1, 1)])

@@ -79,3 +79,26 @@ def test_a_job_env_cannot_name_the_data_root() -> None:
     with pytest.raises(ValidationError) as refused:
         JobSpec.model_validate({**SPEC, "env": {DATA_ROOT_ENV: "/"}})
     assert refused.value.errors()[0]["loc"][:2] == ("env", DATA_ROOT_ENV), refused.value
+
+
+@pytest.mark.parametrize(
+    ("slots", "env", "threads"),
+    [
+        (0, {}, None),  # one slot per core: torchrun's own choice stands
+        (4096, {}, "1"),  # more slots than cores: one thread a rank
+        (4096, {"OMP_NUM_THREADS": "3"}, "3"),  # the job's own setting wins
+    ],
+)
+def test_oversubscribed_ranks_get_one_thread_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slots: int, env: dict[str, str], threads: str | None
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    setup = prepare(
+        settings=Settings(home=tmp_path, node_slots=slots),
+        spec={**SPEC, "env": env},
+        job_id="job-1",
+        attempt=1,
+        run_dir=tmp_path / "run",
+        checkpoint_dir=tmp_path / "ckpt",
+    )
+    assert setup.env.get("OMP_NUM_THREADS") == threads, setup.env

@@ -16,7 +16,6 @@ makes the global order depend on the world size.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -175,8 +174,3 @@ def _transformed(transform: Callable[[Any], Any] | None, raw: Any, index: int) -
         return transform(raw)
     except Exception as exc:
         raise StreamFailure(f"sample {index}", exc) from exc
-
-
-def format_cause(exc: BaseException) -> str:
-    """The last frames of `exc`'s traceback, for the rank's log."""
-    return "".join(traceback.format_exception(exc)[-6:])
