@@ -151,6 +151,16 @@ def finish(
             delay = min(delay * 2, 10.0)
 
 
+def note_unsandboxed(sessions: sessionmaker[Session], *, att: Attempt, node: str, why: str) -> None:
+    """Say in the job's timeline that `node` runs this attempt's ranks without the sandbox, and why."""
+    try:
+        with sessions.begin() as session:
+            note = f"{node}: ranks not sandboxed ({why})"
+            lifecycle.note_running(session, job_id=att.job_id, attempt=att.number, note=note)
+    except Exception:  # noqa: BLE001 - the run itself does not depend on the note
+        log.warning("job %s: noting the missing sandbox in its timeline failed", att.job_id, exc_info=True)
+
+
 def launcher_error(log_path: Path, *, rc: int, started: bool) -> JobError:
     """The error of an attempt whose ranks reported none: torchrun's own failure, often the rendezvous."""
     tail = _tail(log_path)

@@ -105,12 +105,12 @@ def prepare(
     `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can.
     """
     why = unsandboxed
-    code_dir = unpack_code(settings, spec)
-    scratch = make_scratch(run_dir, code_dir)
-    root = os.getuid() == 0
-    run_as = RunAs.named(settings.run_as) if settings.run_as else None
     if why is not None and settings.sandbox == "required":
         raise SetupFailed(JobError(type="SandboxUnavailable", message=why))
+    root = os.getuid() == 0
+    run_as = RunAs.named(settings.run_as) if settings.run_as else None
+    code_dir = unpack_code(settings, spec)
+    scratch = make_scratch(run_dir, code_dir)
     if why is None and root and run_as is None:
         run_as = RunAs.nobody()  # never root inside the sandbox
     if run_as is not None:

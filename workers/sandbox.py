@@ -256,6 +256,8 @@ def init_pid(proc: subprocess.Popen[bytes]) -> int | None:
 
 def signal_sandbox(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Send `sig` to torchrun's process group inside the sandbox (never its init or bwrap)."""
+    if proc.poll() is not None:
+        return  # bwrap has ended, so has its init, and with it every process of the sandbox
     pid = init_pid(proc)
     if pid is None:
         # Not started yet, or already ending: nothing inside to stop gracefully; bwrap takes it down.
@@ -266,6 +268,10 @@ def signal_sandbox(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 def kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the sandbox's init (the kernel then kills everything inside) and bwrap; wait for them."""
+    if proc.poll() is not None:
+        # bwrap exits after its init, and an init only once every process of its namespace is gone
+        # (and its pid may be another process's by now).
+        return
     init = init_pid(proc)
     if init is not None:
         _kill(init, signal.SIGKILL, group=False)
