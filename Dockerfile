@@ -5,6 +5,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY api_schemas api_schemas
+COPY rank_contract rank_contract
 COPY service service
 COPY workers workers
 COPY migrations migrations

@@ -6,7 +6,7 @@ from typing import Any
 
 from api_schemas import JobSpec
 from api_schemas.data import TokenFileSource
-from dptrain.data import Shards, TokenFile, data_path
+from rank_contract.data import Shards, TokenFile, data_path
 
 
 def open_spec_data(spec: JobSpec) -> dict[str, Any]:

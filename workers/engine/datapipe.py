@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import default_collate
 
 from api_schemas import JobSpec
-from dptrain.data import Stream
-from dptrain.plan import Plan
+from rank_contract.data import Stream
+from rank_contract.plan import Plan
 from workers.engine import distributed as D
 from workers.engine.data import GlobalBatchSampler, batch_source, mix_seed
 from workers.engine.loader import (

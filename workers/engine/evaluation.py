@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from api_schemas import EVAL_METRIC_PATTERN, JobSpec
-from dptrain.data import Stream
-from dptrain.plan import Plan
+from rank_contract.data import Stream
+from rank_contract.plan import Plan
 from workers.engine import distributed as D
 from workers.engine.conventions import batch_size, check_loss, loss_and_outputs
 from workers.engine.data import batch_source

@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from rank_contract.env import SUPERVISOR_ENV
 from workers.engine.events import EventWriter, events_path
-from workers.engine.launch import SUPERVISOR_ENV, watch_supervisor
+from workers.engine.launch import watch_supervisor
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     """Build everything from the spec and train; raises on any failure."""
     import torch
 
-    from dptrain.plan import BuildContext
+    from rank_contract.plan import BuildContext
     from workers.engine import distributed as D
     from workers.engine.checkpoint import CheckpointManager
     from workers.engine.config import configure
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # First thing: everything this rank prints (Python, C++, NCCL) lands in its own log file.
     restore = redirect_output(args.run_dir / "logs" / f"rank{rank}.log")
     events = EventWriter(events_path(args.run_dir, rank), rank)
-    # Die with the worker that launched us (see launch.SUPERVISOR_ENV).
+    # Die with the worker that launched us (see rank_contract.env.SUPERVISOR_ENV).
     watch_supervisor(os.environ.get(SUPERVISOR_ENV))
     try:
         run(args, events)

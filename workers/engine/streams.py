@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dptrain.data import Stream
+from rank_contract.data import Stream
 from workers.engine.data import mix_seed
 
 # Stream id of the shard-order generators: apart from the sampler's (1<<32 + epoch) and the recipes'.

@@ -24,10 +24,10 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from api_schemas.recipes import PartialFcParams
+from rank_contract.plan import EvalFigures, Plan
 from workers.engine import collectives
 from workers.engine.data import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import eval_generator
-from workers.engine.recipes.plan import EvalFigures, Plan
 from workers.engine.sharding import rank_and_world, shard_range
 
 # Generator streams, distinct from the other recipes' and the sampler's (see data.py).
