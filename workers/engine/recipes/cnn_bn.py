@@ -10,10 +10,10 @@ from torch import nn
 
 from api_schemas.recipes import CnnBnParams
 from rank_contract.plan import Plan
-from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import classifier_plan, eval_generator
 
-# Stream id for the dataset generator, distinct from mlp's and the sampler's streams (see data.py).
+# Stream id for the dataset generator, distinct from mlp's and the sampler's streams (see batch_sampler.py).
 _DATA_STREAM = 11
 
 

@@ -14,10 +14,10 @@ from torch import nn
 
 from api_schemas.recipes import LstmLmParams
 from rank_contract.plan import Plan
-from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
 
-# Stream id for the dataset generator, distinct from mlp's (7) and from the sampler's streams (data.py).
+# Stream id for the dataset generator, distinct from mlp's (7) and the sampler's streams (batch_sampler.py).
 _DATA_STREAM = 12
 
 

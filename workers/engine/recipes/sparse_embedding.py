@@ -17,10 +17,10 @@ from torch import nn
 
 from api_schemas.recipes import SparseEmbeddingParams
 from rank_contract.plan import Plan
-from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import classifier_plan, eval_generator
 
-# Stream id for the dataset generator, distinct from the other recipes' and the sampler's (data.py).
+# Stream id for the dataset generator, distinct from the other recipes' and the sampler's (batch_sampler.py).
 _DATA_STREAM = 13
 
 # Zipf exponent of the id distribution: P(rank k) ~ 1 / k**s. Fixed, so the extras stay integers.

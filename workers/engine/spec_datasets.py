@@ -1,4 +1,4 @@
-"""The spec's data files (`data.train`, `data.eval`), opened under the data root: the builder's ctx.data."""
+"""The spec's datasets (`data.train`, `data.eval`), opened under the data root: the builder's ctx.data."""
 
 from __future__ import annotations
 
