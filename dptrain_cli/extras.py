@@ -15,7 +15,9 @@ import typer
 from rich.console import Console
 
 # dptrain's own top-level packages: an ImportError naming one of them is a bug, not a missing extra.
-OURS = frozenset({"api_schemas", "dptrain", "dptrain_cli", "dptrain_server", "migrations", "service", "workers"})
+OURS = frozenset(
+    {"api_schemas", "dptrain", "dptrain_cli", "dptrain_server", "migrations", "service", "workers"}
+)
 EXIT_MISSING = 1
 
 err = Console(stderr=True)

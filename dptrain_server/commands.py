@@ -161,7 +161,8 @@ def up(
     # Ranks beyond the cores share them; the worker gives them one thread each (workers/rank_setup.py).
     env = dict(os.environ)
     worker_args = ["worker", "--device", "cpu", "--slots", str(slots)]
-    supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS)
+    # A worker that dies is started again (its runs are requeued); the API serves on meanwhile.
+    supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS, restart=True)
     api_args = ["api", "--host", host, "--port", str(port)]
     supervisor.start("API", api_args, env=env, stop_seconds=API_STOP_SECONDS)
     _banner(host=host, port=port, home=home, token_file=token_file, slots=slots, settings=settings)

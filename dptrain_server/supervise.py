@@ -8,6 +8,12 @@ the terminal reaches `up` alone, which stops them in order), handles SIGTERM and
 and stops the API first (nothing new is submitted or placed), then the worker (which stops its
 ranks and hands their attempts back, workers/runner.py), each with a bounded wait, then SIGKILLs
 whatever of its descendants is left.
+
+A worker that dies while `up` is not stopping (an OOM kill, a crash) is started again after a
+backoff, and the API keeps serving meanwhile: the new worker ends the runs its predecessor left
+`running` before it places anything (docs/reliability.md, "Stopping a worker"), so their jobs are
+requeued or failed as for any lost worker, never left hanging. A dead API still stops `up`: one
+that cannot bind its port would otherwise be retried forever behind a prompt that looks alive.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import psutil
@@ -35,6 +41,11 @@ console = Console(stderr=True)
 API_STOP_SECONDS = 2.5
 WORKER_STOP_SECONDS = 6.0
 POLL_SECONDS = 0.1
+# A restarted child waits 1 s, then 2, 4, ... up to 30 s while it keeps dying within a minute of
+# its start (a broken configuration must not spin); one that lived longer is restarted after 1 s.
+RESTART_FIRST_SECONDS = 1.0
+RESTART_MAX_SECONDS = 30.0
+RESTART_HEALTHY_SECONDS = 60.0
 
 # prctl(2) options (Linux): signal a child when its parent dies; adopt orphaned descendants.
 PR_SET_PDEATHSIG = 1
@@ -51,12 +62,36 @@ def _prctl() -> Callable[[int, int], int] | None:
 
 
 @dataclass
+class Backoff:
+    """The wait before each restart of a child: doubling while it keeps dying young, reset once it lived."""
+
+    first: float = RESTART_FIRST_SECONDS
+    most: float = RESTART_MAX_SECONDS
+    healthy_after: float = RESTART_HEALTHY_SECONDS
+    _next: float = field(default=0.0, init=False)
+
+    def delay(self, *, lived: float) -> float:
+        """Seconds to wait before starting again a child that died `lived` seconds after its start."""
+        if self._next == 0.0 or lived >= self.healthy_after:
+            self._next = self.first
+        delay, self._next = self._next, min(self._next * 2, self.most)
+        return delay
+
+
+@dataclass
 class Child:
-    """A process `up` started, and how long it may take to stop after SIGTERM."""
+    """A process `up` started: how to start it again, how long it may take to stop after SIGTERM."""
 
     name: str
-    proc: subprocess.Popen[bytes]
+    args: list[str]
+    env: dict[str, str]
     stop_seconds: float
+    # None: its exit stops `up`; else the wait before it is started again.
+    backoff: Backoff | None
+    proc: subprocess.Popen[bytes] = field(init=False)
+    started: float = field(default=0.0, init=False)
+    # When a dead child is due to start again (time.monotonic()), or None while it runs.
+    restart_at: float | None = field(default=None, init=False)
 
 
 class Supervisor:
@@ -75,16 +110,33 @@ class Supervisor:
             # so the final sweep finds them among our descendants.
             self._prctl(PR_SET_CHILD_SUBREAPER, 1)
 
-    def start(self, name: str, args: list[str], *, env: Mapping[str, str], stop_seconds: float) -> None:
-        """Start `dptrain ARGS` in a session of its own; it gets SIGTERM if `up` dies without stopping it."""
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dptrain_cli.main", *args],
-            env=dict(env),
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        env: Mapping[str, str],
+        stop_seconds: float,
+        restart: bool = False,
+    ) -> None:
+        """Start `dptrain ARGS` in a session of its own; it gets SIGTERM if `up` dies without stopping it.
+
+        With `restart`, its exit while `up` is not stopping starts it again after a backoff;
+        without, its exit stops `up`.
+        """
+        child = Child(name, list(args), dict(env), stop_seconds, Backoff() if restart else None)
+        self._spawn(child)
+        self.children.append(child)
+
+    def _spawn(self, child: Child) -> None:
+        child.proc = subprocess.Popen(
+            [sys.executable, "-m", "dptrain_cli.main", *child.args],
+            env=child.env,
             start_new_session=True,
-            # Safe here: `up` has started no thread by then (preexec_fn and threads do not mix).
+            # Safe here: `up` starts no thread, ever (preexec_fn and threads do not mix).
             preexec_fn=self._die_with_us(),
         )
-        self.children.append(Child(name, proc, stop_seconds))
+        child.started, child.restart_at = time.monotonic(), None
 
     def _die_with_us(self) -> Callable[[], None] | None:
         prctl, parent = self._prctl, os.getpid()
@@ -100,18 +152,54 @@ class Supervisor:
         return preexec
 
     def run(self) -> int:
-        """Until SIGTERM or SIGINT, or a child's exit; then stop every child. The exit code for `up`."""
+        """Until SIGTERM or SIGINT, or the exit of a child not restarted; then stop every child.
+
+        The exit code for `up`.
+        """
         ended: Child | None = None
         while self.signalled is None and ended is None:
             time.sleep(POLL_SECONDS)
-            ended = next((c for c in self.children if c.proc.poll() is not None), None)
+            ended = next((c for c in self.children if not self._tend(c)), None)
         if ended is not None and self.signalled is None:
-            # A service that accepts jobs nobody runs (or runs jobs nobody can see) is worse than none.
+            # Jobs nobody can see or cancel are worse than none: without its API, `up` stops.
             console.print(f"[red]the {ended.name} exited with {ended.proc.returncode}; stopping[/red]")
         else:
             console.print(f"{signal.Signals(self.signalled or signal.SIGTERM).name}: stopping")
         self.stop()
         return 0 if self.signalled is not None else 1
+
+    def _tend(self, child: Child) -> bool:
+        """Restart `child` if it died and may be restarted (after its backoff); False if it ended `up`."""
+        now = time.monotonic()
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                try:
+                    self._spawn(child)
+                except OSError as exc:  # out of processes or memory, say: try again later
+                    child.restart_at = now + (child.backoff or Backoff()).delay(lived=0.0)
+                    console.print(f"[yellow]could not start the {child.name}: {exc}[/yellow]")
+            return True
+        code = child.proc.poll()
+        if code is None:
+            return True
+        if child.backoff is None:
+            return False
+        # What it started (torchrun, ranks) was adopted by us: end it before its successor starts,
+        # so no rank of a run the successor ends as lost goes on writing beside its next attempt.
+        self._sweep_orphans()
+        delay = child.backoff.delay(lived=now - child.started)
+        child.restart_at = now + delay
+        console.print(
+            f"[yellow]the {child.name} exited with {code}; starting it again in {delay:g} s[/yellow]"
+        )
+        return True
+
+    def _sweep_orphans(self) -> None:
+        # A live child's descendants stay under it: what else is ours was left by a dead one.
+        alive = {c.proc.pid for c in self.children if c.proc.poll() is None}
+        orphans = [p for p in _children(os.getpid()) if p.pid not in alive]
+        left = [q for p in orphans for q in (p, *_descendants(p.pid))]
+        _kill(left)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # A second signal (an impatient Ctrl-C) stops waiting for anyone: SIGKILL what is left.
@@ -122,8 +210,8 @@ class Supervisor:
         """Stop the children in the reverse order of their start, each with its bounded wait, then sweep."""
         seen: dict[int, psutil.Process] = {}
         for child in reversed(self.children):
-            seen |= {p.pid: p for p in _descendants(child.proc.pid)}
-            if child.proc.poll() is None:
+            if child.proc.poll() is None:  # a dead one's pid may be another process's by now
+                seen |= {p.pid: p for p in _descendants(child.proc.pid)}
                 with contextlib.suppress(ProcessLookupError):
                     child.proc.send_signal(signal.SIGTERM)
                 deadline = time.monotonic() + child.stop_seconds
@@ -136,11 +224,7 @@ class Supervisor:
         # What the children left: the processes seen under them (a rank whose torchrun died is in
         # no process group of theirs) and any orphan we adopted as subreaper.
         seen |= {p.pid: p for p in _descendants(os.getpid())}
-        left = [p for p in seen.values() if p.is_running()]
-        for p in left:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(left, timeout=3)
+        _kill(list(seen.values()))
 
     def reraise(self) -> None:
         """Die of the signal that stopped us, as uvicorn does, so systemd and shells see what happened."""
@@ -154,3 +238,19 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return list(psutil.Process(pid).children(recursive=True))
     except psutil.NoSuchProcess:
         return []
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return list(psutil.Process(pid).children())
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    """SIGKILL `procs` and wait for them (reaping those that are our children)."""
+    left = [p for p in procs if p.is_running()]
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(left, timeout=3)

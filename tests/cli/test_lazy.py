@@ -1,4 +1,4 @@
-"""The server's commands in `dptrain`: listed with the client's, loaded from dptrain_server only when asked for."""
+"""The server's commands in `dptrain`: listed with the client's, loaded from dptrain_server when asked for."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from tests.cli.conftest import dptrain, flat
 def test_help_lists_the_client_and_the_server_commands() -> None:
     r = dptrain("--help")
     assert r.exit_code == 0, r.output
-    listed = {line.split()[1] for line in r.output.splitlines() if line.startswith("│ ") and len(line.split()) > 2}
+    listed = {
+        line.split()[1] for line in r.output.splitlines() if line.startswith("│ ") and len(line.split()) > 2
+    }
     assert {"submit", "status", "api", "worker", "migrate", "up", "users"} <= listed, r.output
 
 

@@ -140,7 +140,15 @@ def _source_tree(dest: Path) -> Path:
     dest.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
-    for package in ("api_schemas", "service", "workers", "dptrain", "dptrain_cli", "dptrain_server", "migrations"):
+    for package in (
+        "api_schemas",
+        "service",
+        "workers",
+        "dptrain",
+        "dptrain_cli",
+        "dptrain_server",
+        "migrations",
+    ):
         shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
