@@ -10,11 +10,15 @@ commands import the server's modules when they run), so listing them costs a few
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from typer import _click  # typer vendors click: its groups take these contexts, not click's own
 from typer.core import TyperCommand, TyperGroup
+
+if TYPE_CHECKING:
+    # Recent typer vendors click (its groups take these contexts, not click's own); the
+    # client's oldest typer uses click itself. Only the annotations name it, so both run this.
+    from typer import _click
 
 from dptrain_cli.extras import missing_extra
 
