@@ -170,6 +170,10 @@ class Supervisor:
 
     def _tend(self, child: Child) -> bool:
         """Restart `child` if it died and may be restarted (after its backoff); False if it ended `up`."""
+        if self.signalled is not None:
+            # Stopping (systemd signals every process of the unit at once): a child's exit now is
+            # its part in that, never a crash to repair.
+            return True
         now = time.monotonic()
         if child.restart_at is not None:
             if now >= child.restart_at:
