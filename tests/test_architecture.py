@@ -77,6 +77,33 @@ def test_the_sdk_reaches_no_service_code() -> None:
     assert bad == {}, f"the SDK must not import {forbidden}: {bad}"
 
 
+def _top_level_imports(path: Path) -> set[str]:
+    """The packages a module imports outside any function, so on its own import."""
+    found: set[str] = set()
+    todo: list[ast.AST] = [ast.parse(path.read_text())]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_the_cli_reaches_the_server_only_through_dptrain_server_on_demand() -> None:
+    # `pip install dptrain` is the client: its CLI package never imports the service or the worker,
+    # even inside a function; the server's commands live in dptrain_server, which the CLI loads
+    # only when one of them is asked for (dptrain_cli/lazy.py).
+    server = {"service", "workers"}
+    anywhere = {f: m & server for f, m in _imports(ROOT / "dptrain_cli").items() if m & server}
+    assert anywhere == {}, f"dptrain_cli must not import {server}: {anywhere}"
+    eager = [str(p.relative_to(ROOT)) for p in (ROOT / "dptrain_cli").rglob("*.py")]
+    eager = [f for f in eager if "dptrain_server" in _top_level_imports(ROOT / f)]
+    assert eager == [], f"dptrain_cli must import dptrain_server inside functions only: {eager}"
+
+
 def test_api_schemas_import_only_pydantic() -> None:
     # The engine and the API both read these models: they must stay importable without either side.
     allowed = {"api_schemas", "pydantic", "pydantic_core", "__future__"}
