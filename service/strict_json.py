@@ -98,6 +98,11 @@ class StrictJSONRequest(Request):
         return self._strict_json
 
 
+def parsed_body(request: Request) -> Any:
+    """The JSON body a `StrictJSONRoute` parsed before its dependencies ran, or None (none, or not JSON)."""
+    return getattr(request, "_strict_json", None)
+
+
 class StrictJSONRoute(APIRoute):
     """A route whose JSON body is parsed by `loads` and refused with a 422 naming what was wrong."""
 
