@@ -90,6 +90,14 @@ class Settings(BaseSettings):
     # Retry-After. 0 turns it off.
     rate_limit_per_second: float = Field(20.0, ge=0)
     rate_limit_burst: int = Field(100, ge=1)
+    # Bearer tokens this API process does not know yet cost a database lookup each, so each client
+    # address may try them at `auth_failures_per_second`, bursts up to `auth_failure_burst`; beyond it
+    # 429 with Retry-After, before any lookup. A token that turns out valid gives its try back, so
+    # only invalid ones count. Behind a reverse proxy the address is the proxy's unless the server
+    # trusts its X-Forwarded-For (`dptrain api` runs uvicorn with proxy headers from
+    # FORWARDED_ALLOW_IPS). 0 turns it off.
+    auth_failures_per_second: float = Field(1.0, ge=0)
+    auth_failure_burst: int = Field(30, ge=1)
     # Live (unrevoked) tokens a user may hold; minting another answers 409 until some are revoked.
     max_tokens_per_user: int = Field(20, ge=1)
     # A user's jobs running at once (admins included); placement leaves the rest queued, with a reason.
