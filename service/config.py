@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     # Log lines and metric points of jobs finished more than this many days ago are deleted (the job
     # row, its timeline, latest metrics, error and checkpoints stay). 0 keeps everything.
     history_retention_days: float = 0.0
+    # The most a job's log lines take in the database (UTF-8 bytes, all attempts and ranks together);
+    # past it a worker drops further lines, with a line saying so and, at the end of the attempt, one
+    # counting what was dropped. One line keeps at most 8000 characters (the rest is cut, and says so).
+    max_log_bytes_per_job: int = Field(64 << 20, ge=1024)
 
     # Module prefixes whose `package.module:function` a job's `entrypoint` may name without uploaded
     # code (modules an operator installed on every worker), comma-separated.
