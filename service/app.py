@@ -94,6 +94,9 @@ def create_app(
     app.state.rate_limiter = TokenBuckets(
         rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst
     )
+    app.state.auth_failure_limiter = TokenBuckets(
+        rate=settings.auth_failures_per_second, burst=settings.auth_failure_burst
+    )
     # Added before RequestLatency, so it runs inside it (the last added is outermost): 413s are measured.
     # Code archives stream to disk under their own cap (DPTRAIN_CODE_MAX_BYTES), never buffered here.
     streamed = (f"{code_router.prefix}/",)
