@@ -203,6 +203,18 @@ def loader_failure(
     return None
 
 
+def end_processes(processes: Sequence[Any]) -> None:
+    """Terminate a failed loader's processes that still run.
+
+    torch's shutdown asks each process to finish and waits up to 5 s for it, one after the other;
+    a process stuck in a read never finishes, and the rank would wait that long for each.
+    """
+    for p in processes:
+        with contextlib.suppress(Exception):  # already gone, or never started
+            if p.is_alive():
+                p.terminate()
+
+
 def _dead(
     processes: Sequence[Any], *, rank: int, during: str, wait: float = _DEATH_GRACE_S
 ) -> BaseException | None:
