@@ -56,7 +56,9 @@ def _failure(batches: Batches, n: int = 8) -> tuple[BaseException, float]:
     except Exception as exc:
         # What main.py does with any error of a rank: torch's SIGCHLD handler may raise a loader
         # process's death between two takes, outside Batches, and main types it then.
-        return loader_failure(exc, rank=3) or exc, time.monotonic() - start
+        watch = batches.loader.worker_init_fn
+        watch = watch if isinstance(watch, LoaderWatch) else getattr(watch, "watch", None)
+        return loader_failure(exc, rank=3, watch=watch) or exc, time.monotonic() - start
     finally:
         batches.close()
     raise AssertionError(f"expected the loader to fail, but all {n} batches came")

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Sampler, default_collate
 from api_schemas.data import DataSpec
 from workers.engine.conventions import to_device
 from workers.engine.data import GlobalBatchSampler
-from workers.engine.loader_faults import LoaderWatch, end_processes, loader_failure
+from workers.engine.loader_faults import LoaderWatch, failed_loader
 from workers.engine.streams import StreamBatch, StreamBatches
 
 CPU = torch.device("cpu")
@@ -220,17 +220,10 @@ class Batches:
         except StopIteration:
             raise
         except Exception as exc:
-            # torch's iterator keeps its processes here (none without loader processes).
-            processes = getattr(self._it, "_workers", ())
-            failure = loader_failure(
-                exc,
-                rank=self.rank,
-                during=f"waiting for the batch of {self.label} {self.step}",
-                processes=processes,
-            )
+            during = f"waiting for the batch of {self.label} {self.step}"
+            failure = failed_loader(exc, self.loader, self._it, rank=self.rank, during=during)
             if failure is None:
                 raise
-            end_processes(processes)
             raise failure from exc
         self.waited += time.perf_counter() - start
         if isinstance(item, LoadFailure):

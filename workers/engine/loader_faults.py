@@ -100,11 +100,12 @@ class LoaderWatch:
         # A plain pipe: what goes through it is a few strings, never a file descriptor, so it needs
         # none of the sockets whose failure it reports.
         self._reader, self._writer = multiprocessing.Pipe(duplex=False)
+        self._got: list[LoaderReport] = []
         _WATCHES.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # A spawned loader process gets the writing end only (fork, torch's default here, copies all).
-        return {"_reader": None, "_writer": self._writer}
+        return {"_reader": None, "_writer": self._writer, "_got": []}
 
     def __call__(self, worker_id: int) -> None:
         """In loader process `worker_id`: report a batch that cannot be sent to the rank, then end."""
@@ -130,16 +131,17 @@ class LoaderWatch:
         setattr(multiprocessing.queues.Queue, "_on_queue_feeder_error", staticmethod(lost))  # noqa: B010
 
     def reports(self) -> list[LoaderReport]:
-        """The reports that have come, without waiting."""
-        got: list[LoaderReport] = []
+        """Every report that has come so far, without waiting."""
         with contextlib.suppress(EOFError, OSError):
             while self._reader is not None and self._reader.poll(0):
-                got.append(self._reader.recv())
-        return got
+                self._got.append(self._reader.recv())
+        # Kept, not handed out once: when two loader processes fail together, torch reports the
+        # second death too, perhaps while the first's error unwinds, and it must be typed the same.
+        return list(self._got)
 
 
-def pending_reports() -> list[LoaderReport]:
-    """Every report this process's loader processes have sent and nobody has read yet."""
+def loader_reports() -> list[LoaderReport]:
+    """Every report this process's loader processes have sent, oldest first per loader."""
     return [r for watch in list(_WATCHES) for r in watch.reports()]
 
 
@@ -156,12 +158,18 @@ _SIGNAL_NAMES = {signal.strsignal(s): s.name for s in signal.Signals if signal.s
 
 
 def loader_failure(
-    exc: BaseException, *, rank: int, during: str = "", processes: Sequence[Any] = ()
+    exc: BaseException,
+    *,
+    rank: int,
+    during: str = "",
+    processes: Sequence[Any] = (),
+    watch: LoaderWatch | None = None,
 ) -> BaseException | None:
     """The typed error for `exc` if it is torch's report of a failed loader process, else None.
 
-    `during` says what the rank was doing ("waiting for the batch of step 7"), and `processes` are
-    the loader's processes (multiprocessing's), where the caller knows them.
+    Where the caller knows them: `during`, what the rank was doing ("waiting for the batch of step
+    7"); `processes`, the loader's processes (multiprocessing's); `watch`, the loader's own watch
+    (else the reports of every loader of this process count).
     """
     if isinstance(exc, LoaderProcessError | LoaderProcessDied | LoaderTimeout):
         return None
@@ -173,13 +181,15 @@ def loader_failure(
         return LoaderProcessError(name, f"{_original_message(text, name)} (in rank {rank}'s {who}{when})")
     died, timed_out = _DIED.search(text), _TIMED_OUT.search(text)
     if isinstance(exc, RuntimeError) and (died is not None or timed_out is not None):
-        if (reported := _reported(rank, when)) is not None:
+        if (reported := _reported(rank, when, watch)) is not None:
             return reported
         if died is not None:
             pids, code, sig = died.group(1), died.group(2), died.group(3)
             # torch's own check names no cause; the process, reaped by that check, tells it.
             told = (
-                _dead(processes, rank=rank, during=during, wait=0.0) if code is None and sig is None else None
+                _dead(processes, rank=rank, during=during, watch=watch, wait=0.0)
+                if code is None and sig is None
+                else None
             )
             if told is not None:
                 return told
@@ -199,16 +209,35 @@ def loader_failure(
         # A batch's tensors come through a socket of the process that made them; when that process
         # dies first, the rank's read fails before torch has noticed the death (it reaps children
         # only now and then): the dead process is the error, not the socket.
-        return _dead(processes, rank=rank, during=during)
+        return _dead(processes, rank=rank, during=during, watch=watch)
     return None
 
 
-def end_processes(processes: Sequence[Any]) -> None:
-    """Terminate a failed loader's processes that still run.
+def failed_loader(
+    exc: BaseException, loader: Any, iterator: Any, *, rank: int, during: str
+) -> BaseException | None:
+    """The typed error for `exc`, raised by `next(iterator)` of `loader`, if a loader process failed.
 
-    torch's shutdown asks each process to finish and waits up to 5 s for it, one after the other;
-    a process stuck in a read never finishes, and the rank would wait that long for each.
+    The loader's other processes are ended first: they are of no more use, and one stuck in a read
+    would hold torch's shutdown 5 s (which asks each in turn to finish).
     """
+    # torch's iterator keeps its processes in `_workers` (none without loader processes).
+    processes = getattr(iterator, "_workers", ())
+    watch = getattr(loader, "worker_init_fn", None)
+    failure = loader_failure(
+        exc,
+        rank=rank,
+        during=during,
+        processes=processes,
+        watch=watch if isinstance(watch, LoaderWatch) else None,
+    )
+    if failure is not None:
+        end_processes(processes)
+    return failure
+
+
+def end_processes(processes: Sequence[Any]) -> None:
+    """Terminate a failed loader's processes that still run (each exits quietly on its parent's SIGTERM)."""
     for p in processes:
         with contextlib.suppress(Exception):  # already gone, or never started
             if p.is_alive():
@@ -216,14 +245,19 @@ def end_processes(processes: Sequence[Any]) -> None:
 
 
 def _dead(
-    processes: Sequence[Any], *, rank: int, during: str, wait: float = _DEATH_GRACE_S
+    processes: Sequence[Any],
+    *,
+    rank: int,
+    during: str,
+    watch: LoaderWatch | None,
+    wait: float = _DEATH_GRACE_S,
 ) -> BaseException | None:
     deadline = time.monotonic() + wait
     while True:
         try:
             for p in processes:
                 if p.exitcode is not None:
-                    if (reported := _reported(rank, f"; {during}" if during else "")) is not None:
+                    if (reported := _reported(rank, f"; {during}" if during else "", watch)) is not None:
                         return reported
                     code = int(p.exitcode)
                     if code < 0:
@@ -237,12 +271,12 @@ def _dead(
                 return None
             time.sleep(0.05)
         except RuntimeError as exc:  # torch's SIGCHLD handler, telling the same death
-            return loader_failure(exc, rank=rank, during=during)
+            return loader_failure(exc, rank=rank, during=during, watch=watch)
 
 
-def _reported(rank: int, when: str) -> LoaderProcessError | None:
+def _reported(rank: int, when: str, watch: LoaderWatch | None) -> LoaderProcessError | None:
     # A loader process that reported its exception ended right after: the exception is the news.
-    if not (reports := pending_reports()):
+    if not (reports := watch.reports() if watch is not None else loader_reports()):
         return None
     r = reports[0]
     return LoaderProcessError(
