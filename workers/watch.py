@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from api_schemas import JobSpec
-from dptrain._env import stop_file
+from rank_contract.env import stop_file
 
 STALL_TIMEOUT_DEFAULT: int = JobSpec.model_fields["stall_timeout_seconds"].default
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt

@@ -22,7 +22,7 @@ from tests.engine_fixtures import EngineRun, processes_mentioning
 from tests.fixtures.loader_plan.loader_faults import Samples
 from workers.attempts import is_retryable
 from workers.engine.events import describe
-from workers.engine.loader import Batches, fixed_batch_sampler, loader_options, map_loader
+from workers.engine.batch_loader import Batches, fixed_batch_sampler, loader_options, map_loader
 from workers.engine.loader_faults import (
     LoaderProcessDied,
     LoaderProcessError,

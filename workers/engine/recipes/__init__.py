@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import JobSpec, entrypoint_allowed
-from workers.engine.launch import CODE_DIR_ENV
+from rank_contract.env import ALLOWED_ENTRYPOINTS_ENV, CODE_DIR_ENV
+from rank_contract.plan import Plan
 from workers.engine.recipes import cnn_bn, gpt, lstm_lm, mlp, partial_fc, sparse_embedding
-from workers.engine.recipes.plan import Plan
 
 RecipeBuilder = Callable[[Mapping[str, Any], int], Plan]
 
@@ -30,8 +30,6 @@ RECIPES: dict[str, RecipeBuilder] = {
 SPEC_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {"gpt": gpt.SPEC_HYPERPARAMETERS}
 
 __all__ = ["RECIPES", "Plan", "RecipeBuilder", "builder_of", "load_entrypoint", "plan_params"]
-
-ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
 
 
 def load_entrypoint(

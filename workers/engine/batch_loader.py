@@ -24,10 +24,10 @@ import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
 from api_schemas.data import DataSpec
+from workers.engine.batch_sampler import GlobalBatchSampler
 from workers.engine.conventions import to_device
-from workers.engine.data import GlobalBatchSampler
 from workers.engine.loader_faults import LoaderWatch, failed_loader
-from workers.engine.streams import StreamBatch, StreamBatches
+from workers.engine.stream_batches import StreamBatch, StreamBatches
 
 CPU = torch.device("cpu")
 
