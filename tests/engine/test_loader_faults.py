@@ -21,8 +21,8 @@ from api_schemas.data import DataSpec
 from tests.engine_fixtures import EngineRun, processes_mentioning
 from tests.fixtures.loader_plan.loader_faults import Samples
 from workers.attempts import is_retryable
-from workers.engine.events import describe
 from workers.engine.batch_loader import Batches, fixed_batch_sampler, loader_options, map_loader
+from workers.engine.events import describe
 from workers.engine.loader_faults import (
     LoaderProcessDied,
     LoaderProcessError,
