@@ -24,6 +24,7 @@ from typing import NoReturn
 from rank_contract.env import SUPERVISOR_ENV
 from workers.engine.events import EventWriter, events_path
 from workers.engine.launch import watch_supervisor
+from workers.engine.loader_faults import loader_failure
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -181,9 +182,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
+        # torch's SIGCHLD handler raises a dead loader process's error wherever the rank happens to
+        # be (in a step, a checkpoint), not only where it waits for a batch: typed here as well.
+        if (typed := loader_failure(exc, rank=rank)) is not None:
+            typed.__cause__ = exc
+            exc = typed.with_traceback(exc.__traceback__)
         events.error(exc)
         if not launched:
-            raise
+            raise exc
         exit_failed_rank(exc, events)
     finally:
         events.close()
@@ -203,7 +209,7 @@ def exit_failed_rank(exc: BaseException, events: EventWriter) -> NoReturn:
     """
     code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
     if not isinstance(exc, SystemExit):
-        traceback.print_exc()
+        traceback.print_exception(exc)  # a loader failure typed above, with what torch raised as its cause
     events.close()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
