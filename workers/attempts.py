@@ -59,6 +59,12 @@ NOT_RETRIED = frozenset(
         # dataset cannot read for a reason other than I/O (DataReadError, an OSError's, is retried).
         "DataPathError",
         "DataLoadError",
+        # A loader process raised outside a sample's read (workers/engine/loader_faults.py): the rank
+        # reports the loader's own exception type, judged here like the rank's own. A batch that
+        # pickle refuses (PicklingError; TypeError, AttributeError above) is refused again by the same
+        # code. LoaderProcessDied (a signal: the OOM killer, a kill from outside) and LoaderTimeout (a
+        # loader stuck, most often on a read from network storage) are retried: they need not repeat.
+        "PicklingError",
     }
 )
 

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import JobError, JobSpec
-from dptrain._env import DATA_ROOT_ENV, sdk_env
+from rank_contract.env import CODE_DIR_ENV, DATA_ROOT_ENV, SUPERVISOR_ENV, sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
 from workers import sandbox
 from workers.code_cache import CodeArchiveError, unpack_cached
-from workers.engine.launch import CODE_DIR_ENV, SUPERVISOR_ENV, supervisor_id
+from workers.engine.launch import supervisor_id
 from workers.rank_env import rank_environment
 from workers.scratch import make_scratch
 
