@@ -8,7 +8,6 @@ the claim token); the other nodes see the job leave `running` at their next repo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import subprocess
 import threading
@@ -198,10 +197,7 @@ def _supervise(
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
-    # The engine validates this same model from it (workers/engine/config.py). allow_nan=False: a
-    # non-finite number is refused here (a ValueError) rather than handed over as `NaN`, which
-    # Python's json reads back without a word.
-    paths.spec_path.write_text(json.dumps(spec.model_dump(mode="json"), indent=2, allow_nan=False))
+    paths.write_spec(spec)
     try:
         setup = prepare(
             settings=settings,
