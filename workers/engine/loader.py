@@ -100,8 +100,16 @@ def _as_is(batch: Any) -> Any:
 class _StepIndices(Sampler[list[int]]):
     """The rank's local indices of ITER first..stop-1, one batch per ITER (DataLoader's batch_sampler)."""
 
-    def __init__(self, sampler: GlobalBatchSampler, rank: int, local: int, first: int, stop: int) -> None:
-        self.sampler, self.rank, self.local, self.first, self.stop = sampler, rank, local, first, stop
+    def __init__(
+        self, sampler: GlobalBatchSampler, rank: int, local_batch_size: int, first: int, stop: int
+    ) -> None:
+        self.sampler, self.rank, self.local, self.first, self.stop = (
+            sampler,
+            rank,
+            local_batch_size,
+            first,
+            stop,
+        )
 
     def __iter__(self) -> Iterator[list[int]]:
         for it in range(self.first, self.stop):
