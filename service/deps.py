@@ -182,18 +182,19 @@ get_current_user = BearerUser()
 
 async def _looked_up(request: Request, digest: str) -> User:
     """The user of a token the cache does not hold, or 401; 429 once its address tried too many."""
-    # A flood of distinct tokens brings a fresh per-token bucket each: the client's address pays
-    # for every lookup before it is made, and gets its try back if the token was valid, so only
-    # invalid tokens spend it (DPTRAIN_AUTH_FAILURES_PER_SECOND).
+    # A flood of distinct tokens brings a fresh per-token bucket each: the client's address pays for
+    # every lookup that finds no user (DPTRAIN_AUTH_FAILURES_PER_SECOND), and an address whose bucket
+    # is empty gets no lookup at all. Valid tokens never spend it, however many of them miss the
+    # cache at once; invalid ones in flight together may overshoot by as many as are in flight.
     failures: TokenBuckets = request.app.state.auth_failure_limiter
     address = f"address:{request.client.host if request.client else 'unknown'}"
-    wait = failures.take(address)
+    wait = failures.waiting(address)
     if wait is not None:
         raise TooManyRequests("too many unknown bearer tokens from this address", retry_after=wait)
     user = await _cached_user(request, digest)
     if user is None:
+        failures.spend(address)
         raise Unauthorized()
-    failures.refund(address)
     return user
 
 

@@ -41,14 +41,26 @@ class TokenBuckets:
                 self._forget_idle(now)
             return None
 
-    def refund(self, key: str) -> None:
-        """Give back one token `take` spent on `key` (what it paid for turned out not to count)."""
+    def waiting(self, key: str) -> float | None:
+        """Seconds until `key`'s bucket holds a token, None if it holds one now; spends nothing."""
+        if self.rate <= 0:
+            return None
+        now = self.clock()
+        with self._lock:
+            level, then = self._buckets.get(key, (self.burst, now))
+            level = min(self.burst, level + (now - then) * self.rate)
+            return None if level >= 1.0 else (1.0 - level) / self.rate
+
+    def spend(self, key: str) -> None:
+        """Spend one token of `key`'s bucket for something already done (an empty bucket stays empty)."""
         if self.rate <= 0:
             return
         now = self.clock()
         with self._lock:
             level, then = self._buckets.get(key, (self.burst, now))
-            self._buckets[key] = (min(self.burst, level + (now - then) * self.rate + 1.0), now)
+            self._buckets[key] = (max(0.0, min(self.burst, level + (now - then) * self.rate) - 1.0), now)
+            if len(self._buckets) > self.MAX_KEYS:
+                self._forget_idle(now)
 
     def _forget_idle(self, now: float) -> None:
         idle = [k for k, (lv, t) in self._buckets.items() if lv + (now - t) * self.rate >= self.burst]
