@@ -4,13 +4,12 @@ the job still succeeds (a real rank under the runner, on PostgreSQL)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
-from service.config import Settings, get_settings
+from service.config import Settings
 from service.models import LogLine
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin
 from workers.log_budget import line_bytes
@@ -23,20 +22,11 @@ LINES = 2000
 PROGRAM = f"for i in range({LINES}): print(f'line {{i:05d}} ' + 'x' * 40)\nprint('z' * 100_000)"
 
 
-@pytest.fixture
-def small_cap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The runner's reporter reads the process's settings: a cap of CAP bytes while the test runs."""
-    monkeypatch.setenv("DPTRAIN_MAX_LOG_BYTES_PER_JOB", str(CAP))
-    get_settings.cache_clear()
-    yield
-    monkeypatch.undo()
-    get_settings.cache_clear()
-
-
-@pytest.mark.usefixtures("small_cap")
 def test_a_job_printing_past_the_cap_keeps_the_cap_and_a_marker_and_succeeds(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
+    # The runner hands its own settings' cap to the reporter: a worker with a cap of CAP bytes.
+    settings = settings.model_copy(update={"max_log_bytes_per_job": CAP})
     spec = {"name": "chatty", "command": ["python", "-c", PROGRAM], "resources": {"processes_per_node": 1}}
     job_id = submit_as_admin(sessions, spec)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
