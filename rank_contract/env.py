@@ -61,14 +61,23 @@ def sdk_env(
     run_dir: str | os.PathLike[str],
     checkpoint_dir: str | os.PathLike[str],
     keep_last: int,
-    supervisor: str,
+    supervisor: str | None,
+    code_dir: str | os.PathLike[str] | None = None,
+    data_root: str | os.PathLike[str] | None = None,
 ) -> dict[str, str]:
-    """The SDK's variables for one node of one attempt (to add to the ranks' environment)."""
-    return {
+    """Every variable dptrain itself sets for the ranks of one node of one attempt.
+
+    `supervisor` is None where the ranks cannot see the worker's pid (in the sandbox's PID namespace,
+    whose --die-with-parent does that watch's work); `code_dir` and `data_root` only when the job has
+    uploaded code and the worker a data root.
+    """
+    env = {
         JOB_ID_ENV: job_id,
         ATTEMPT_ENV: str(attempt),
         RUN_DIR_ENV: os.fspath(run_dir),
         CHECKPOINT_DIR_ENV: os.fspath(checkpoint_dir),
         KEEP_LAST_ENV: str(keep_last),
-        SUPERVISOR_ENV: supervisor,
     }
+    optional = {SUPERVISOR_ENV: supervisor, CODE_DIR_ENV: code_dir, DATA_ROOT_ENV: data_root}
+    env |= {name: os.fspath(value) for name, value in optional.items() if value is not None}
+    return env

@@ -1,9 +1,10 @@
-"""The environment a job's ranks get: built from an allow-list, never the worker's whole environment.
+"""The one place that says what is in a job's ranks' environment: an allow-list, never the worker's whole one.
 
 The worker holds secrets (database URL, broker URL, bootstrap token, every other DPTRAIN_* setting)
 that user code must never see, so nothing is inherited by default: only the variables below, what
 dptrain itself sets for the ranks, and the job's own `env`. torchrun adds its own (RANK, WORLD_SIZE,
-MASTER_ADDR, ...) when it starts each rank.
+MASTER_ADDR, ...) when it starts each rank. The names dptrain's own variables carry are the
+contract with the ranks, in rank_contract/env.py.
 """
 
 from __future__ import annotations
@@ -53,13 +54,17 @@ def rank_environment(
     home: Path,
     tmp: Path,
     code_dir: Path | None,
+    shared_cores: bool = False,
+    interface: str | None = None,
 ) -> dict[str, str]:
     """The ranks' environment: allow-listed worker variables, then the user's, then dptrain's own.
 
-    `dptrain` (the SDK's and the engine's variables) wins over `user`, whose names the spec already
-    keeps out of what steers the worker (api_schemas/env.py); any such name is dropped here too.
-    PATH starts with the worker interpreter's directory, so `python` and `torchrun` are the
-    worker's; HOME and TMPDIR (`tmp`: /tmp in the sandbox) are the attempt's own.
+    `dptrain` (rank_contract.env.sdk_env: the SDK's and the engine's variables) wins over `user`,
+    whose names the spec already keeps out of what steers the worker (api_schemas/env.py); any such
+    name is dropped here too. PATH starts with the worker interpreter's directory, so `python` and
+    `torchrun` are the worker's; HOME and TMPDIR (`tmp`: /tmp in the sandbox) are the attempt's own.
+    `shared_cores`: the node has more rank slots than cores; `interface`: the network interface this
+    node's peers of a multi-node attempt reach it on.
     """
     env = {k: v for k, v in worker_env.items() if _passed(k)}
     # The spec's rule again: a spec stored before a name was refused must not reach the ranks with it.
@@ -74,5 +79,16 @@ def rank_environment(
     }
     if code_dir is not None:
         env["PYTHONPATH"] = str(code_dir)
+    if shared_cores:
+        # More rank slots than cores (`dptrain up`'s default, or an operator's --slots): ranks share
+        # cores. torchrun gives each rank of a multi-rank job one OpenMP thread, but a single rank one
+        # per core: beside another job's ranks, its threads then wait at every parallel region for
+        # descheduled peers, and its steps take many times longer. One thread each, unless the
+        # operator or the job set it.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if interface is not None:
+        # Gloo and NCCL pick their interface from the host name, which may resolve to loopback (or to
+        # another network): the one holding this node's address is the one its peers reach.
+        env |= {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
     env.update(dptrain)
     return env

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import JobError, JobSpec
-from rank_contract.env import CODE_DIR_ENV, DATA_ROOT_ENV, SUPERVISOR_ENV, sdk_env
+from rank_contract.env import sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
 from workers import sandbox
@@ -99,10 +99,12 @@ def prepare(
     run_dir: Path,
     checkpoint_dir: Path,
     unsandboxed: str | None,
+    interface: str | None = None,
 ) -> RankSetup:
     """Unpack the code, make the scratch, hand the run's folders to the ranks' user, build their environment.
 
-    `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can.
+    `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can;
+    `interface` is the network interface of this node's address in a multi-node attempt.
     """
     why = unsandboxed
     if why is not None and settings.sandbox == "required":
@@ -125,27 +127,23 @@ def prepare(
         run_dir=run_dir,
         checkpoint_dir=checkpoint_dir,
         keep_last=spec.checkpoint.keep_last,
-        supervisor=supervisor_id(),
-    )
-    if why is None:
         # The worker's pid means nothing in the sandbox's PID namespace; --die-with-parent does its work.
-        del ours[SUPERVISOR_ENV]
-    if code_dir is not None:
-        ours[CODE_DIR_ENV] = str(code_dir)
-    if settings.data_root is not None:
-        ours[DATA_ROOT_ENV] = str(settings.data_root)
+        supervisor=supervisor_id() if why is not None else None,
+        code_dir=code_dir,
+        data_root=settings.data_root,
+    )
     # In the sandbox TMPDIR is its own short /tmp: AF_UNIX paths (multiprocessing's) fit in 108 bytes.
     tmp = Path(sandbox.SANDBOX_TMP) if why is None else scratch.tmp
     env = rank_environment(
-        worker_env=os.environ, dptrain=ours, user=spec.env, home=scratch.home, tmp=tmp, code_dir=code_dir
+        worker_env=os.environ,
+        dptrain=ours,
+        user=spec.env,
+        home=scratch.home,
+        tmp=tmp,
+        code_dir=code_dir,
+        shared_cores=settings.node_slots > (os.cpu_count() or 1),
+        interface=interface,
     )
-    if settings.node_slots > (os.cpu_count() or 1):
-        # More rank slots than cores (`dptrain up`'s default, or an operator's --slots): ranks share
-        # cores. torchrun gives each rank of a multi-rank job one OpenMP thread, but a single rank one
-        # per core: beside another job's ranks, its threads then wait at every parallel region for
-        # descheduled peers, and its steps take many times longer. One thread each, unless the
-        # operator or the job set it.
-        env.setdefault("OMP_NUM_THREADS", "1")
     box = None
     if why is None:
         box = sandbox.Box(

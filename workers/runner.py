@@ -212,6 +212,7 @@ def _supervise(
             checkpoint_dir=paths.checkpoint_dir,
             # Probed once per worker process, for real (the worker's start did it already).
             unsandboxed=sandbox.unavailable(settings.sandbox),
+            interface=interface_of(run.address) if run.rendezvous is not None else None,
         )
     except SetupFailed as exc:
         remove_scratch(paths.run_dir)
@@ -293,13 +294,6 @@ def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetu
         device=spec.resources.device,
         command=spec.command,
     )
-    # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
-    # rank free to use every core.
-    env = setup.env
-    if run.rendezvous is not None and (ifname := interface_of(run.address)):
-        # Gloo and NCCL pick their interface from the host name, which may resolve to loopback (or to
-        # another network): the one holding this node's address is the one its peers reach.
-        env |= {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
     # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
     user: dict[str, Any] = {"umask": PRIVATE_UMASK}
     if setup.box is not None:
@@ -307,7 +301,7 @@ def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetu
         argv = sandbox.bwrap_argv(setup.box, argv)
     elif setup.run_as is not None:
         user |= setup.run_as.popen_args()
-    proc = _start_ranks(argv, env=env, cwd=setup.cwd, log_path=paths.launcher_log, user=user)
+    proc = _start_ranks(argv, env=setup.env, cwd=setup.cwd, log_path=paths.launcher_log, user=user)
     # For operators (and a recovering worker on another machine's tooling): which group to kill.
     with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
         paths.pid_file.write_text(f"{proc.pid}\n")
