@@ -6,14 +6,11 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, StrictBool, ValidationError, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, Field, StrictBool, ValidationError, WithJsonSchema
 
 from api_schemas.base import Strict
-
-if TYPE_CHECKING:
-    from api_schemas.jobs import JobSpec
 
 # One path segment: starts with a letter, digit or '_' (so never '.', '..' or a hidden name), then
 # a conservative set of characters that need no quoting in a shell or a URL.
@@ -134,17 +131,28 @@ RECIPE_DATA_KINDS: dict[str, tuple[str, ...]] = {"gpt": ("token_file",), "mlp": 
 Refuse = Callable[[tuple[str | int, ...], str, Any], None]
 
 
-def data_rules(spec: JobSpec, refuse: Refuse) -> None:
-    """The spec's rules about `data`, across fields (JobSpec's validator calls this)."""
-    data = spec.data
+def data_rules(
+    data: DataSpec,
+    *,
+    device: str,
+    recipe: str | None,
+    recipe_params: Callable[[], BaseModel | None],
+    has_command: bool,
+    evaluating: bool,
+    refuse: Refuse,
+) -> None:
+    """The spec's rules about `data`, across fields (JobSpec's validator calls this with its own fields).
+
+    Given the fields it reads, not the JobSpec, so that this module stays below jobs.py.
+    """
     # What torch's DataLoader would refuse at job start, refused here with the field's path.
     if data.num_workers == 0:
         for name in ("prefetch_factor", "persistent_workers"):
             if getattr(data, name) not in (None, False):
                 refuse(("data", name), f"{name} needs data.num_workers > 0", getattr(data, name))
-    if data.pin_memory and spec.resources.device == "cpu":
+    if data.pin_memory and device == "cpu":
         refuse(("data", "pin_memory"), "pinned memory speeds copies to a GPU; a cpu job has none", True)
-    if spec.command is not None:
+    if has_command:
         # Options that differ from the defaults, not fields given: the job stores its spec with every
         # default filled in, and that stored spec must validate again (placement, the job's page).
         if given := data.model_dump(exclude_defaults=True):
@@ -160,27 +168,28 @@ def data_rules(spec: JobSpec, refuse: Refuse) -> None:
         source = getattr(data, split)
         if source is None:
             continue
-        if spec.recipe is not None:
-            kinds = RECIPE_DATA_KINDS.get(spec.recipe, ())
+        if recipe is not None:
+            kinds = RECIPE_DATA_KINDS.get(recipe, ())
             if source.kind not in kinds:
                 takes = f"reads {' or '.join(kinds)}" if kinds else "makes its own data and reads no files"
-                refuse(("data", split, "kind"), f"recipe {spec.recipe!r} {takes}", source.kind)
+                refuse(("data", split, "kind"), f"recipe {recipe!r} {takes}", source.kind)
                 continue
         if isinstance(source, TokenFileSource):
-            _token_file_rules(spec, split, source.block_size, refuse)
-    if (
-        spec.recipe is not None
-        and data.train is not None
-        and spec.evaluation is not None
-        and data.eval is None
-    ):
+            _token_file_rules(recipe, recipe_params, split, source.block_size, refuse)
+    if recipe is not None and data.train is not None and evaluating and data.eval is None:
         refuse(("data", "eval"), "evaluating a recipe that trains from files needs data.eval", None)
 
 
-def _token_file_rules(spec: JobSpec, split: str, block_size: int | None, refuse: Refuse) -> None:
-    if spec.recipe == "gpt":
+def _token_file_rules(
+    recipe: str | None,
+    recipe_params: Callable[[], BaseModel | None],
+    split: str,
+    block_size: int | None,
+    refuse: Refuse,
+) -> None:
+    if recipe == "gpt":
         try:
-            seq_len = getattr(spec.recipe_params(), "seq_len", None)
+            seq_len = getattr(recipe_params(), "seq_len", None)
         except ValidationError:  # refused on its own field already
             return
         if block_size is not None and block_size != seq_len:

@@ -214,7 +214,15 @@ class JobSpec(Strict):
         if self.command is None and (reason := self._uneven_batch(self.world_size)) is not None:
             refuse(("hyperparameters", "global_batch_size"), reason, self.hyperparameters.global_batch_size)
         self._evaluation_rules(refuse)
-        data_rules(self, refuse)
+        data_rules(
+            self.data,
+            device=self.resources.device,
+            recipe=self.recipe,
+            recipe_params=self.recipe_params,
+            has_command=self.command is not None,
+            evaluating=self.evaluation is not None,
+            refuse=refuse,
+        )
         engine = self.engine
         if engine.compile and self.world_size > 1 and engine.bucket_cap_mb < 1:
             # DDP's first bucket is 1 MiB and torch.compile's DDPOptimizer needs the others no smaller.

@@ -7,8 +7,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from api_schemas.base import MAX_PRIORITY
-from api_schemas.jobs import Strict
+from api_schemas.base import MAX_PRIORITY, Strict
 
 UserName = Annotated[
     str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")

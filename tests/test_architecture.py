@@ -5,9 +5,11 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import setuptools
 from alembic import command
 
 from migrations import alembic_config
@@ -105,3 +107,59 @@ def test_user_code_and_examples_import_only_the_public_package() -> None:
     found = {**_imports(ROOT / "examples"), **_imports(ROOT / "tests" / "fixtures")}
     bad = {f: m & {"workers", "service"} for f, m in found.items() if m & {"workers", "service"}}
     assert bad == {}, f"user code imports the worker's modules: {bad}"
+
+
+def _our_top_level_packages() -> list[str]:
+    """The top-level packages pyproject's packages.find ships: every one of ours, new ones included."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    found = setuptools.find_namespace_packages(where=str(ROOT), include=find["include"])
+    return sorted({name.split(".")[0] for name in found})
+
+
+def _module_files(packages: list[str]) -> dict[str, Path]:
+    """Each importable module of `packages` (`a.b`) and the file it names (a.b's module or __init__)."""
+    files: dict[str, Path] = {}
+    for top in packages:
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _imported_modules(path: Path, module: str, files: dict[str, Path]) -> set[str]:
+    """Every module of ours that `path` imports anywhere: top level, TYPE_CHECKING, inside functions."""
+    # The package a relative import starts from: the module's own for an __init__, else its parent.
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    named: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            named |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from pkg import name` names the submodule pkg.name when there is one, else pkg itself.
+            named |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names}
+    return {name for name in named if name in files} - {module}
+
+
+def test_no_import_cycles_between_our_files() -> None:
+    # Every import counts, a type-only one too: a cycle couples its files whichever way it is written,
+    # and the fix is a module below both (workers/node_run.py, api_schemas/base.py).
+    files = _module_files(_our_top_level_packages())
+    graph = {module: _imported_modules(path, module, files) for module, path in files.items()}
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        reach[start] = seen
+    # Two files are in one cycle when each reaches the other (a strongly connected component).
+    cycles = {
+        frozenset({m} | {other for other in reach[m] if m in reach[other]}) for m in graph if m in reach[m]
+    }
+    named = sorted(sorted(str(files[m].relative_to(ROOT)) for m in cycle) for cycle in cycles)
+    assert named == [], f"import cycles between files (each imports the others, directly or not): {named}"

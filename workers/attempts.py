@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,10 +12,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from service.jobs import lifecycle
 from workers.engine.events import TRACEBACK_TAIL_LINES
+from workers.node_run import Attempt, NodeRun, RunPaths
 
 if TYPE_CHECKING:
     from workers.reporting import Reporter
-    from workers.runner import NodeRun, RunPaths
     from workers.watch import Watch
 
 log = logging.getLogger(__name__)
@@ -75,16 +74,6 @@ WORKER_STOPPED = "WorkerStopped"
 def is_retryable(error: JobError) -> bool:
     """Whether an attempt that ended with `error` may be restarted (if the job has restarts left)."""
     return error.type not in NOT_RETRIED
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """The claimed attempt: its number, fencing token and restart budget."""
-
-    job_id: str
-    number: int
-    token: str
-    max_restarts: int
 
 
 def end_abnormally(sessions: sessionmaker[Session], *, att: Attempt, error: JobError) -> JobStatus:
@@ -198,7 +187,7 @@ def record_outcome(
         return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
     # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
     # says it finished, so a rank that exits 0 early is not mistaken for success.
-    done = reporter.state.finished or (run.spec.get("command") is not None and run.is_primary)
+    done = reporter.state.finished or (run.spec.command is not None and run.is_primary)
     if stopped_for == "cancel" or reporter.state.cancel_requested:
         if not run.is_primary:
             return JobStatus.RUNNING  # node 0 sees the flag too, and alone knows if the work finished

@@ -8,8 +8,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
-from workers.attempts import Attempt
 from workers.engine.checkpoint import CheckpointManager, checkpoint_files, read_best_step, sidecar_digest
+from workers.node_run import Attempt
 
 
 def missing_checkpoints(sessions: sessionmaker[Session], *, job_id: str, directory: Path) -> str | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api_schemas import JobError
+from api_schemas import JobError, JobSpec
 from dptrain._env import DATA_ROOT_ENV, sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
@@ -63,12 +63,11 @@ class RankSetup:
     run_as: RunAs | None
 
 
-def unpack_code(settings: Settings, spec: dict[str, Any]) -> Path | None:
+def unpack_code(settings: Settings, spec: JobSpec) -> Path | None:
     """The job's unpacked code tree (unpacked once per sha256 on this host), None for a job without code."""
-    code = spec.get("code")
-    if not code:
+    if spec.code is None:
         return None
-    sha256 = code["sha256"]
+    sha256 = spec.code.sha256
     try:
         return unpack_cached(
             archive=archive_path(settings.artifacts, sha256),
@@ -83,7 +82,7 @@ def unpack_code(settings: Settings, spec: dict[str, Any]) -> Path | None:
 def prepare(
     *,
     settings: Settings,
-    spec: dict[str, Any],
+    spec: JobSpec,
     job_id: str,
     attempt: int,
     run_dir: Path,
@@ -101,16 +100,14 @@ def prepare(
         attempt=attempt,
         run_dir=run_dir,
         checkpoint_dir=checkpoint_dir,
-        keep_last=int(spec["checkpoint"]["keep_last"]),
+        keep_last=spec.checkpoint.keep_last,
         supervisor=supervisor_id(),
     )
     if code_dir is not None:
         ours[CODE_DIR_ENV] = str(code_dir)
     if settings.data_root is not None:
         ours[DATA_ROOT_ENV] = str(settings.data_root)
-    env = rank_environment(
-        worker_env=os.environ, dptrain=ours, user=spec.get("env") or {}, home=home, code_dir=code_dir
-    )
+    env = rank_environment(worker_env=os.environ, dptrain=ours, user=spec.env, home=home, code_dir=code_dir)
     if settings.node_slots > (os.cpu_count() or 1):
         # More rank slots than cores (`dptrain up`'s default, or an operator's --slots): ranks share
         # cores. torchrun gives each rank of a multi-rank job one OpenMP thread, but a single rank one

@@ -29,7 +29,8 @@ from service.jobs import repository
 from service.models.base import utcnow
 from service.scheduling import repository as scheduling
 from service.scheduling.service import republish_unstarted
-from workers.attempts import Attempt, end_abnormally
+from workers.attempts import end_abnormally
+from workers.node_run import Attempt
 from workers.procs import sweep_ranks
 from workers.runner import active
 

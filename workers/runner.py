@@ -19,22 +19,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobError, JobStatus
+from api_schemas import JobError, JobSpec, JobStatus
 from service.config import Settings
 from service.db import session_factory
 from service.files import PRIVATE_UMASK
 from service.jobs import repository as jobs_repository
+from service.jobs.stored import describe
 from service.models.base import utcnow
 from service.scheduling import repository as placement
-from workers.attempts import Attempt, end_abnormally, record_outcome
+from workers.attempts import end_abnormally, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import Rendezvous, torchrun_command
+from workers.node_run import Attempt, NodeRun, RunPaths
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
 from workers.reporting import Reporter
-from workers.watch import STALL_TIMEOUT_DEFAULT, Watch, stop_file, stopping
+from workers.watch import Watch, stop_file, stopping
 
 log = logging.getLogger(__name__)
 
@@ -56,57 +59,6 @@ def active() -> frozenset[tuple[str, int]]:
 
 # Called when a node's run ends (slots are free again): the worker's placement thread sets it.
 on_release: list[Callable[[], None]] = []
-
-
-@dataclass(frozen=True)
-class RunPaths:
-    """Where a node of an attempt keeps its files: checkpoints are per job, so a restart resumes from them.
-
-    Multi-node jobs need the artifact root on storage every node shares (docs/cluster.md): rank 0
-    writes the checkpoints and every rank reads them when it resumes.
-    """
-
-    job_dir: Path
-    attempt: int
-    node_rank: int = 0
-
-    @property
-    def run_dir(self) -> Path:
-        return self.job_dir / f"attempt-{self.attempt}" / f"node-{self.node_rank}"
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.job_dir / "checkpoints"
-
-    @property
-    def spec_path(self) -> Path:
-        return self.run_dir / "spec.json"
-
-    @property
-    def launcher_log(self) -> Path:
-        return self.run_dir / "logs" / "launcher.log"
-
-    @property
-    def pid_file(self) -> Path:
-        """torchrun's pid, which is also its process group id (it leads a session of its own)."""
-        return self.run_dir / "torchrun.pid"
-
-
-@dataclass(frozen=True)
-class NodeRun:
-    """What one node of an attempt needs to launch its ranks."""
-
-    att: Attempt
-    node_rank: int
-    nnodes: int
-    spec: dict[str, Any]
-    rendezvous: Rendezvous | None
-    address: str
-
-    @property
-    def is_primary(self) -> bool:
-        """Node 0 syncs checkpoint rows before a restart (one node writes them, not all)."""
-        return self.node_rank == 0
 
 
 def run_node(
@@ -136,6 +88,14 @@ def run_node(
             callback()
 
 
+@dataclass(frozen=True)
+class _Unrunnable:
+    """An accepted attempt whose stored spec today's JobSpec refuses: it ends with `error`, unrun."""
+
+    att: Attempt
+    error: JobError
+
+
 def _accept(
     sessions: sessionmaker[Session],
     *,
@@ -144,7 +104,7 @@ def _accept(
     node_rank: int,
     settings: Settings,
     endpoint: str,
-) -> NodeRun | None:
+) -> NodeRun | _Unrunnable | None:
     with sessions.begin() as session:
         me = settings.node
         if not placement.accept(
@@ -155,14 +115,19 @@ def _accept(
         if job is None or job.status != JobStatus.RUNNING.value or job.attempt != attempt:
             return None
         nodes = placement.nodes_of(session, job_id=job_id)
-        spec = dict(job.spec)
         att = Attempt(
             job_id=job_id,
             number=attempt,
             token=str(job.claim_token),
             max_restarts=job.max_restarts,
         )
-        nnodes = int(spec["resources"].get("nodes", 1))
+        try:
+            # Validated once, here: everything downstream reads the typed model and its defaults.
+            spec = JobSpec.model_validate(job.spec)
+        except ValidationError as exc:
+            message = f"the stored spec does not validate: {describe(exc)}"
+            return _Unrunnable(att=att, error=JobError(type="ValidationError", message=message))
+        nnodes = spec.resources.nodes
         rendezvous = None
         if nnodes > 1:
             host = next(n for n in nodes if n.node_rank == 0)
@@ -197,6 +162,9 @@ def _run_node(
         return None
     paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
     try:
+        if isinstance(run, _Unrunnable):
+            log.error("job %s: %s", job_id, run.error.message)
+            return end_abnormally(sessions, att=run.att, error=run.error)
         return _supervise(sessions=sessions, settings=settings, run=run, paths=paths)
     except Exception as exc:
         log.exception("job %s: the launcher itself failed", job_id)
@@ -230,9 +198,10 @@ def _supervise(
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
-    # Refused (ValueError, the launcher's error) rather than handed to the engine as `NaN`, which
-    # Python's json reads back without a word: a spec with a non-finite number never runs.
-    paths.spec_path.write_text(json.dumps(spec, indent=2, allow_nan=False))
+    # The engine validates this same model from it (workers/engine/config.py). allow_nan=False: a
+    # non-finite number is refused here (a ValueError) rather than handed over as `NaN`, which
+    # Python's json reads back without a word.
+    paths.spec_path.write_text(json.dumps(spec.model_dump(mode="json"), indent=2, allow_nan=False))
     try:
         setup = prepare(
             settings=settings,
@@ -254,100 +223,30 @@ def _supervise(
 def _launch(
     *, sessions: sessionmaker[Session], settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetup
 ) -> JobStatus:
-    att, spec = run.att, run.spec
-    job_id, token = att.job_id, att.token
-    command = spec.get("command")
-    cmd = torchrun_command(
-        job_id=job_id,
-        node=settings.node,
-        nproc=int(spec["resources"]["processes_per_node"]),
-        spec_path=str(paths.spec_path),
-        run_dir=str(paths.run_dir),
-        checkpoint_dir=str(paths.checkpoint_dir),
-        nnodes=run.nnodes,
-        rendezvous=run.rendezvous,
-        local_addr=run.address or None,
-        device=spec["resources"].get("device", "cpu"),
-        command=command,
-    )
-    # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
-    # rank free to use every core.
-    env = setup.env
-    if run.rendezvous is not None and (ifname := interface_of(run.address)):
-        # Gloo and NCCL pick their interface from the host name, which may resolve to loopback (or to
-        # another network): the one holding this node's address is the one its peers reach.
-        env |= {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
+    """Start this node's ranks, watch them to their end, report the last of it, record the outcome."""
+    spec, job_id = run.spec, run.att.job_id
     reporter = Reporter(
-        sessions=sessions, job_id=job_id, attempt=paths.attempt, claim_token=token, run_dir=paths.run_dir
+        sessions=sessions,
+        job_id=job_id,
+        attempt=paths.attempt,
+        claim_token=run.att.token,
+        run_dir=paths.run_dir,
     )
-    max_runtime = spec.get("max_runtime_seconds")
+    max_runtime = spec.max_runtime_seconds
     deadline = time.monotonic() + max_runtime if max_runtime else None
     watch = Watch(
-        # A spec stored before stall_timeout_seconds existed has none: the field's default applies.
-        stall_seconds=spec.get("stall_timeout_seconds", STALL_TIMEOUT_DEFAULT),
+        stall_seconds=spec.stall_timeout_seconds,
         grace=settings.cancel_grace_seconds,
-        stop_file=stop_file(paths.run_dir) if command is not None else None,
+        stop_file=stop_file(paths.run_dir) if spec.command is not None else None,
     )
-    # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
-    user: dict[str, Any] = {"umask": PRIVATE_UMASK, **(setup.run_as.popen_args() if setup.run_as else {})}
-    with paths.launcher_log.open("ab") as launcher_out:
-        # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
-        # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
-        proc = subprocess.Popen(
-            cmd,
-            stdout=launcher_out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=setup.cwd,
-            start_new_session=True,
-            **user,
-        )
-    # For operators (and a recovering worker on another machine's tooling): which group to kill.
-    with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
-        paths.pid_file.write_text(f"{proc.pid}\n")
+    proc = _start(settings=settings, run=run, paths=paths, setup=setup)
     try:
-        last_flush = time.monotonic()
-        while proc.poll() is None:
-            # Until the first step is reported, look at the ranks' files often and report as soon
-            # as something arrives: the time to the first step is what a user waits for. Later
-            # reports batch on the regular tick.
-            waiting = not reporter.state.latest_metrics
-            time.sleep(FIRST_REPORT_POLL_SECONDS if waiting else settings.report_interval_seconds)
-            if reporter.collect():
-                watch.active()
-            due = time.monotonic() - last_flush >= settings.report_interval_seconds
-            if waiting and not due and not reporter.pending:
-                continue
-            reporter.flush()
-            last_flush = time.monotonic()
-            if watch.stopped_for is None:
-                if reporter.state.cancel_requested:
-                    watch.stop("cancel")
-                elif reporter.state.fenced_out:
-                    watch.stop("fenced")
-                elif stopping.is_set():
-                    watch.stop("shutdown")
-                elif deadline is not None and time.monotonic() > deadline:
-                    watch.stop("deadline")
-                elif watch.stalled():
-                    watch.stop("stall")
-                if watch.stopped_for is not None:
-                    log.info("job %s: stopping its ranks (%s)", job_id, watch.stopped_for)
-            if watch.signal_due():
-                stop_group(proc, grace=watch.kill_after())
+        _watch(proc, settings=settings, reporter=reporter, watch=watch, deadline=deadline, job_id=job_id)
     finally:
         kill_group(proc)
         if left := sweep_ranks(job_id, node=settings.node):
             log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
-    reporter.collect(final=True)
-    # The last reports matter (final metrics, the last checkpoint): ride out a database restart,
-    # but not forever, so the end state still gets recorded.
-    flush_deadline = time.monotonic() + FINAL_FLUSH_SECONDS
-    while not reporter.flush():
-        if time.monotonic() > flush_deadline:
-            log.error("job %s: giving up on the last reports after %d s", job_id, FINAL_FLUSH_SECONDS)
-            break
-        time.sleep(min(5.0, settings.report_interval_seconds * 4))
+    _final_flush(reporter, settings=settings, job_id=job_id)
     return record_outcome(
         sessions,
         reporter=reporter,
@@ -357,3 +256,112 @@ def _launch(
         paths=paths,
         max_runtime=max_runtime,
     )
+
+
+def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetup) -> subprocess.Popen[bytes]:
+    """Build torchrun's command line and environment, start it, and note its pid."""
+    spec = run.spec
+    argv = torchrun_command(
+        job_id=run.att.job_id,
+        node=settings.node,
+        nproc=spec.resources.processes_per_node,
+        spec_path=str(paths.spec_path),
+        run_dir=str(paths.run_dir),
+        checkpoint_dir=str(paths.checkpoint_dir),
+        nnodes=run.nnodes,
+        rendezvous=run.rendezvous,
+        local_addr=run.address or None,
+        device=spec.resources.device,
+        command=spec.command,
+    )
+    # torchrun itself sets OMP_NUM_THREADS=1 when several ranks share a host, and leaves a single
+    # rank free to use every core.
+    env = setup.env
+    if run.rendezvous is not None and (ifname := interface_of(run.address)):
+        # Gloo and NCCL pick their interface from the host name, which may resolve to loopback (or to
+        # another network): the one holding this node's address is the one its peers reach.
+        env |= {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
+    # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
+    user: dict[str, Any] = {"umask": PRIVATE_UMASK, **(setup.run_as.popen_args() if setup.run_as else {})}
+    proc = _start_ranks(argv, env=env, cwd=setup.cwd, log_path=paths.launcher_log, user=user)
+    # For operators (and a recovering worker on another machine's tooling): which group to kill.
+    with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
+        paths.pid_file.write_text(f"{proc.pid}\n")
+    return proc
+
+
+def _start_ranks(
+    argv: list[str], *, env: dict[str, str], cwd: Path, log_path: Path, user: dict[str, Any]
+) -> subprocess.Popen[bytes]:
+    """Start torchrun (`argv`) in a session of its own, as `user` (Popen's user/group/umask arguments)."""
+    with log_path.open("ab") as launcher_out:
+        # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
+        # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
+        return subprocess.Popen(
+            argv,
+            stdout=launcher_out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            **user,
+        )
+
+
+def _watch(
+    proc: subprocess.Popen[bytes],
+    *,
+    settings: Settings,
+    reporter: Reporter,
+    watch: Watch,
+    deadline: float | None,
+    job_id: str,
+) -> None:
+    """Report what the ranks write while torchrun runs, and stop them when `watch` decides to."""
+    last_flush = time.monotonic()
+    while proc.poll() is None:
+        # Until the first step is reported, look at the ranks' files often and report as soon
+        # as something arrives: the time to the first step is what a user waits for. Later
+        # reports batch on the regular tick.
+        waiting = not reporter.state.latest_metrics
+        time.sleep(FIRST_REPORT_POLL_SECONDS if waiting else settings.report_interval_seconds)
+        if reporter.collect():
+            watch.active()
+        due = time.monotonic() - last_flush >= settings.report_interval_seconds
+        if waiting and not due and not reporter.pending:
+            continue
+        reporter.flush()
+        last_flush = time.monotonic()
+        if watch.stopped_for is None and (reason := _stop_reason(reporter, watch, deadline)):
+            watch.stop(reason)
+            log.info("job %s: stopping its ranks (%s)", job_id, reason)
+        if watch.signal_due():
+            stop_group(proc, grace=watch.kill_after())
+
+
+def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None) -> str | None:
+    """Why the ranks must stop now, if they must; the first reason that applies wins."""
+    if reporter.state.cancel_requested:
+        return "cancel"
+    if reporter.state.fenced_out:
+        return "fenced"
+    if stopping.is_set():
+        return "shutdown"
+    if deadline is not None and time.monotonic() > deadline:
+        return "deadline"
+    if watch.stalled():
+        return "stall"
+    return None
+
+
+def _final_flush(reporter: Reporter, *, settings: Settings, job_id: str) -> None:
+    """Collect and report what the ranks wrote last, retrying through an outage until a deadline."""
+    reporter.collect(final=True)
+    # The last reports matter (final metrics, the last checkpoint): ride out a database restart,
+    # but not forever, so the end state still gets recorded.
+    flush_deadline = time.monotonic() + FINAL_FLUSH_SECONDS
+    while not reporter.flush():
+        if time.monotonic() > flush_deadline:
+            log.error("job %s: giving up on the last reports after %d s", job_id, FINAL_FLUSH_SECONDS)
+            break
+        time.sleep(min(5.0, settings.report_interval_seconds * 4))

@@ -19,10 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from api_schemas import JobSpec
 from dptrain._env import stop_file
 
-STALL_TIMEOUT_DEFAULT: int = JobSpec.model_fields["stall_timeout_seconds"].default
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
 # owns the job; stall: nobody is listening) signal at once.
 ASKED_FIRST = frozenset({"cancel", "deadline"})
@@ -33,7 +31,7 @@ stopping = threading.Event()
 # included, within the 10 s that `docker stop` waits before its SIGKILL.
 SHUTDOWN_GRACE_SECONDS = 3.0
 
-__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "STALL_TIMEOUT_DEFAULT", "Watch", "stop_file", "stopping"]
+__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "Watch", "stop_file", "stopping"]
 
 
 class Watch:

@@ -10,16 +10,16 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobStatus
+from api_schemas import JobSpec, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.jobs import service
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.workers.runs import job_row, node_fixtures, place_here, submit_as_admin, timeline
-from workers import attempts, runner
-from workers.attempts import Attempt
+from workers import attempts
 from workers.engine.events import CheckpointEvent, EventWriter, FinishedEvent, MetricsEvent, StartedEvent
+from workers.node_run import Attempt, NodeRun, RunPaths
 from workers.reporting import Reporter
 from workers.watch import Watch
 
@@ -44,7 +44,7 @@ def _end_after_stop(
     spec = job_spec(name="race", hyperparameters={"global_batch_size": 8, "steps": STEPS, "hidden_size": 8})
     job_id = submit_as_admin(sessions, spec)
     attempt = place_here(settings, job_id=job_id)
-    paths = runner.RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
+    paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
     events = EventWriter(paths.run_dir / "events" / "rank0.jsonl", rank=0)
     events.emit(StartedEvent(world_size=2, total_steps=STEPS, device="cpu", backend="gloo"))
     events.emit(MetricsEvent(step=last_step, values={"loss": 0.5}))
@@ -66,8 +66,13 @@ def _end_after_stop(
     # The runner saw the request (or the deadline) and signalled torchrun's group, whose ranks died of it.
     watch = Watch(stall_seconds=60, grace=1, stop_file=None)
     watch.stop(stop)
-    run = runner.NodeRun(
-        att=att, node_rank=node_rank, nnodes=node_rank + 1, spec=job.spec, rendezvous=None, address=""
+    run = NodeRun(
+        att=att,
+        node_rank=node_rank,
+        nnodes=node_rank + 1,
+        spec=JobSpec.model_validate(job.spec),
+        rendezvous=None,
+        address="",
     )
     status = attempts.record_outcome(
         sessions, reporter=reporter, run=run, rc=-15, watch=watch, paths=paths, max_runtime=60

@@ -22,7 +22,7 @@ def prepared(settings: Settings, tmp_path: Path) -> RankSetup:
     """The ranks' setup for attempt 1 of a recipe job on this worker."""
     return prepare(
         settings=settings,
-        spec=SPEC,
+        spec=JobSpec.model_validate(SPEC),
         job_id="job-1",
         attempt=1,
         run_dir=tmp_path / "run",
@@ -95,7 +95,7 @@ def test_oversubscribed_ranks_get_one_thread_each(
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     setup = prepare(
         settings=Settings(home=tmp_path, node_slots=slots),
-        spec={**SPEC, "env": env},
+        spec=JobSpec.model_validate({**SPEC, "env": env}),
         job_id="job-1",
         attempt=1,
         run_dir=tmp_path / "run",

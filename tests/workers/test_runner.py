@@ -15,6 +15,7 @@ from api_schemas import JobError, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.jobs import service
+from service.models import Job
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.workers.runs import (
@@ -95,6 +96,25 @@ def test_a_failing_launcher_fails_the_job_with_a_launcher_error(
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error == JobError(type="LauncherError", message="OSError: no space left for spec.json"), error
+
+
+def test_a_stored_spec_that_no_longer_validates_fails_the_attempt_unretried(
+    settings: Settings, sessions: sessionmaker
+) -> None:
+    # Written by an older version, or by hand: the worker refuses it with the reason, once, and
+    # neither crashes nor starts torchrun nor restarts it (the same spec would fail again).
+    job_id = _submit(sessions, max_restarts=3)
+    attempt = place_here(settings, job_id=job_id)
+    with sessions.begin() as s:
+        job = s.get(Job, job_id)
+        job.spec = {**job.spec, "hyperparameters": {**job.spec["hyperparameters"], "steps": 0}}
+    assert run_node(job_id=job_id, attempt=attempt, node_rank=0, settings=settings) is JobStatus.FAILED
+    job = job_row(sessions, job_id)
+    error = JobError.model_validate(job.error)
+    assert error.type == "ValidationError", error
+    assert "hyperparameters.steps" in error.message, f"the error names the field: {error.message}"
+    assert job.status == "failed" and job.attempt == 1, (job.status, job.attempt)
+    assert not (settings.artifacts / "jobs" / job_id / f"attempt-{attempt}").exists(), "nothing ran"
 
 
 @pytest.mark.e2e

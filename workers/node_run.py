@@ -1,0 +1,74 @@
+"""What one node of an attempt runs with: the claimed attempt, its typed spec, its placement, its files.
+
+Kept below the runner, the attempt's ending and the checkpoint rows, which all read these and
+otherwise import none of each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from api_schemas import JobSpec
+from workers.engine.launch import Rendezvous
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The claimed attempt: its number, fencing token and restart budget."""
+
+    job_id: str
+    number: int
+    token: str
+    max_restarts: int
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a node of an attempt keeps its files: checkpoints are per job, so a restart resumes from them.
+
+    Multi-node jobs need the artifact root on storage every node shares (docs/cluster.md): rank 0
+    writes the checkpoints and every rank reads them when it resumes.
+    """
+
+    job_dir: Path
+    attempt: int
+    node_rank: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.job_dir / f"attempt-{self.attempt}" / f"node-{self.node_rank}"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.job_dir / "checkpoints"
+
+    @property
+    def spec_path(self) -> Path:
+        return self.run_dir / "spec.json"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.run_dir / "logs" / "launcher.log"
+
+    @property
+    def pid_file(self) -> Path:
+        """torchrun's pid, which is also its process group id (it leads a session of its own)."""
+        return self.run_dir / "torchrun.pid"
+
+
+@dataclass(frozen=True)
+class NodeRun:
+    """What one node of an attempt needs to launch its ranks: the spec validated once, at acceptance."""
+
+    att: Attempt
+    node_rank: int
+    nnodes: int
+    spec: JobSpec
+    rendezvous: Rendezvous | None
+    address: str
+
+    @property
+    def is_primary(self) -> bool:
+        """Node 0 syncs checkpoint rows before a restart (one node writes them, not all)."""
+        return self.node_rank == 0
