@@ -128,7 +128,10 @@ def _servers(up: Up) -> dict[str, int]:
     """The host pids of the worker and the API that `dptrain up` started."""
     found = {}
     for child in psutil.Process(up.procs.popen("up").pid).children():
-        cmd = child.cmdline()
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:  # an orphan `up` adopted (it is their subreaper), exited and not yet reaped
+            continue
         for role in ("worker", "api"):
             if role in cmd:
                 found[role] = child.pid
@@ -155,6 +158,7 @@ def test_a_job_reads_no_secret_of_the_server_and_no_other_jobs_files(up: Up) -> 
         "database": up.home / "dptrain.db",
         "home": up.home,
         "jobs": up.home / "artifacts" / "jobs",
+        "code-cache": up.home / "code-cache",
         "other-job": other_dir,
         "other-checkpoints": other_ckpts,
         "other-checkpoint-file": ckpt_file,
@@ -167,10 +171,10 @@ def test_a_job_reads_no_secret_of_the_server_and_no_other_jobs_files(up: Up) -> 
     findings = _findings(log)
     assert set(findings) == set(targets), f"expected a finding for each of {sorted(targets)}:\n{log}"
     got = {label: outcome for label, outcome in findings.items() if not outcome.startswith("DENIED")}
-    # The folders above the job's own run directory may be listed (its mounts need them), and then
-    # show nothing but the way to it: no token, database, code cache or other job.
-    on_the_way = {"artifacts", "jobs", me}
-    for label in ("home", "jobs"):
+    # The folders above the job's own run directory and code tree may be listed (its mounts need
+    # them), and then show nothing but the way to them: no token, database or other job's files.
+    on_the_way = {"artifacts", "jobs", me, "code-cache", up.code_sha}
+    for label in ("home", "jobs", "code-cache"):
         listed = got.get(label, "").removeprefix("GOT entries ").split(",")
         if label in got and set(listed) <= on_the_way:
             del got[label]
