@@ -273,3 +273,45 @@ def _scratch_removed(up: Up, job_id: str, marker: str, roots: list[Path]) -> Non
     )
     metrics = up.http.get(f"/v1/jobs/{job_id}/metrics").json()["series"]
     assert metrics.get("loss") == [[1, 0.5]], f"expected the reported metric to stay: {metrics}"
+
+
+def _sleepers(tag: str) -> list[psutil.Process]:
+    """The host's processes running `sleep <seconds>.<tag>`: this test's own, whatever their parent."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if len(cmd) == 2 and os.path.basename(cmd[0]) == "sleep" and cmd[1].endswith(f".{tag}"):
+            found.append(p)
+    return found
+
+
+def test_nothing_a_job_started_outlives_it(up: Up) -> None:
+    # Two orphans, as in the finding: one left in the job's group, one in a session of its own.
+    # The fraction on their seconds marks them as this test's (GNU sleep takes one).
+    tag = str(uuid.uuid4().int)[:9]
+    script = f"sleep 600.{tag} & setsid sleep 601.{tag} </dev/null >/dev/null 2>&1 &"
+    spec = {
+        "name": "orphans",
+        "command": ["bash", "-c", script],
+        "stall_timeout_seconds": STALL_SECONDS,
+    }
+    try:
+        job = up.finish(up.submit(spec))
+        assert job["status"] == "succeeded"
+        deadline = time.monotonic() + 10
+        while (left := _sleepers(tag)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, (
+            f"expected nothing the job started to outlive it by 10 s, found {[p.cmdline() for p in left]}"
+        )
+    finally:
+        for p in _sleepers(tag):  # what an unsandboxed job left: this test's own sleeps alone
+            p.kill()
+
+
+def test_a_rank_is_never_root(up: Up) -> None:
+    job_id = up.submit({"name": "uid", "command": ["id", "-u"], "stall_timeout_seconds": STALL_SECONDS})
+    up.finish(job_id)
+    lines = up.log(job_id).split()
+    assert lines and lines[-1].isdigit(), f"expected `id -u` to print a uid, got {lines}"
+    assert int(lines[-1]) != 0, "a rank of a root worker ran as root"
