@@ -3,6 +3,12 @@
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 WORKDIR /app
+# Workers run every job's ranks in a bubblewrap sandbox (docs/security.md), switching to nobody with
+# setpriv (util-linux; its own package on newer Debian).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && (command -v setpriv >/dev/null || apt-get install -y --no-install-recommends setpriv) \
+    && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY api_schemas api_schemas
 COPY service service

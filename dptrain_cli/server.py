@@ -76,6 +76,8 @@ def worker(
     slots: int = typer.Option(
         0, help="Rank processes at once (default DPTRAIN_NODE_SLOTS, else GPUs or cores)."
     ),
+    # `dptrain up`'s worker serves its own operator alone: it may run unsandboxed (with a warning).
+    embedded: bool = typer.Option(False, "--embedded", hidden=True),
 ) -> None:
     """Run a worker node: a Celery worker on this node's own queue, placing and running jobs' ranks."""
     # Options override the environment; the worker's modules read settings once, on import.
@@ -97,7 +99,17 @@ def worker(
             raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
         from workers.celery_app import app as celery_app
         from workers.heartbeat import node_slots
+        from workers.sandbox import SandboxUnavailable, check_at_start
 
+    try:
+        # Probed once, for real, before the worker takes a job: a cluster worker never runs one unsandboxed
+        # unless its operator said so.
+        warning = check_at_start(settings.sandbox, embedded=embedded)
+    except SandboxUnavailable as exc:
+        console.print(f"dptrain worker: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if warning:
+        console.print(f"dptrain worker: warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     celery_app.conf.dptrain_device = device
     threads = concurrency or settings.worker_concurrency or node_slots(settings, device)
     celery_app.worker_main(_worker_argv(settings, threads))
@@ -159,7 +171,7 @@ def up(
     supervisor = Supervisor()
     # Ranks beyond the cores share them; the worker gives them one thread each (workers/rank_setup.py).
     env = dict(os.environ)
-    worker_args = ["worker", "--device", "cpu", "--slots", str(slots)]
+    worker_args = ["worker", "--device", "cpu", "--slots", str(slots), "--embedded"]
     supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS)
     api_args = ["api", "--host", host, "--port", str(port)]
     supervisor.start("API", api_args, env=env, stop_seconds=API_STOP_SECONDS)

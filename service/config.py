@@ -77,6 +77,11 @@ class Settings(BaseSettings):
     # Run the ranks of every job as this unprivileged user (the worker must be root), each attempt in
     # a directory of its own that only it and the worker can read (docs/security.md).
     run_as: str = ""
+    # Every attempt's ranks run in a bubblewrap sandbox (workers/sandbox.py, docs/security.md):
+    # `required` refuses to start a worker where bwrap or namespaces are missing; `auto` too, except
+    # for `dptrain up`'s embedded worker, which then runs them unsandboxed with a warning; `off`
+    # never sandboxes (the same warning). Either way each unsandboxed job's timeline says so.
+    sandbox: Literal["auto", "required", "off"] = "auto"
 
     # API
     # `limit` above these answers 422 (jobs pages; log pages).

@@ -10,24 +10,33 @@ import subprocess
 
 import psutil
 
+from workers import sandbox
+
 log = logging.getLogger(__name__)
 
 
-def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals, *, sandboxed: bool = False) -> None:
+    """Send `sig` to torchrun's process group (in a sandbox the group inside it: bwrap would die of it)."""
+    if sandboxed:
+        sandbox.signal_sandbox(proc, sig)
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
 
-def stop_group(proc: subprocess.Popen[bytes], *, grace: float) -> None:
+def stop_group(proc: subprocess.Popen[bytes], *, grace: float, sandboxed: bool = False) -> None:
     """SIGTERM the launcher's whole process group, then SIGKILL what is left after `grace` seconds."""
-    signal_group(proc, signal.SIGTERM)
+    signal_group(proc, signal.SIGTERM, sandboxed=sandboxed)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace)
-    kill_group(proc)
+    kill_group(proc, sandboxed=sandboxed)
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL torchrun's process group and reap torchrun."""
+def kill_group(proc: subprocess.Popen[bytes], *, sandboxed: bool = False) -> None:
+    """SIGKILL torchrun's process group (a sandbox: everything in it) and reap torchrun (bwrap)."""
+    if sandboxed:
+        sandbox.kill_sandbox(proc)
+        return
     signal_group(proc, signal.SIGKILL)
     try:
         proc.wait(timeout=30)

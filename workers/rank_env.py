@@ -49,20 +49,22 @@ def rank_environment(
     dptrain: Mapping[str, str],
     user: Mapping[str, str],
     home: Path,
+    tmp: Path,
     code_dir: Path | None,
 ) -> dict[str, str]:
     """The ranks' environment: allow-listed worker variables, then the user's, then dptrain's own.
 
     `dptrain` (the SDK's and the engine's variables) wins over `user`, whose names the spec already
     keeps out of DPTRAIN_*, LD_*, PYTHON* and torchrun's. PATH starts with the worker interpreter's
-    directory, so `python` and `torchrun` are the worker's; HOME and TMPDIR are the attempt's own.
+    directory, so `python` and `torchrun` are the worker's; HOME and TMPDIR (`tmp`: /tmp in the
+    sandbox) are the attempt's own.
     """
     env = {k: v for k, v in worker_env.items() if _passed(k)}
     env.update(user)
     env |= {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{SYSTEM_PATH}",
         "HOME": str(home),
-        "TMPDIR": str(home / "tmp"),
+        "TMPDIR": str(tmp),
         "PYTHONUNBUFFERED": "1",
         # Python caches bytecode beside the sources; the code tree is read-only and shared.
         "PYTHONDONTWRITEBYTECODE": "1",

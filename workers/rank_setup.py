@@ -17,9 +17,11 @@ from api_schemas import JobError, JobSpec
 from dptrain._env import DATA_ROOT_ENV, sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
+from workers import sandbox
 from workers.code_cache import CodeArchiveError, unpack_cached
-from workers.engine.launch import CODE_DIR_ENV, supervisor_id
+from workers.engine.launch import CODE_DIR_ENV, SUPERVISOR_ENV, supervisor_id
 from workers.rank_env import rank_environment
+from workers.scratch import make_scratch
 
 
 class SetupFailed(Exception):
@@ -53,6 +55,12 @@ class RunAs:
         # umask 077: what the ranks write (checkpoints, logs) is theirs and the worker's alone.
         return {"user": self.uid, "group": self.gid, "extra_groups": [], "umask": 0o077}
 
+    @classmethod
+    def nobody(cls) -> RunAs:
+        """The ranks' user of a root worker without DPTRAIN_RUN_AS, in the sandbox: nobody."""
+        uid, gid = sandbox.nobody()
+        return cls(name="nobody", uid=uid, gid=gid)
+
 
 @dataclass(frozen=True)
 class RankSetup:
@@ -61,6 +69,9 @@ class RankSetup:
     cwd: Path
     env: dict[str, str]
     run_as: RunAs | None
+    # The sandbox the ranks run in; None: they run unsandboxed, for the reason in `unsandboxed`.
+    box: sandbox.Box | None = None
+    unsandboxed: str | None = None
 
 
 def unpack_code(settings: Settings, spec: JobSpec) -> Path | None:
@@ -87,14 +98,27 @@ def prepare(
     attempt: int,
     run_dir: Path,
     checkpoint_dir: Path,
+    unsandboxed: str | None,
 ) -> RankSetup:
-    """Unpack the code, hand the attempt's directories to DPTRAIN_RUN_AS, build the ranks' environment."""
+    """Unpack the code, make the scratch, hand the run's folders to the ranks' user, build their environment.
+
+    `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can.
+    """
+    why = unsandboxed
     code_dir = unpack_code(settings, spec)
-    home = run_dir / "home"
-    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    scratch = make_scratch(run_dir, code_dir)
+    root = os.getuid() == 0
     run_as = RunAs.named(settings.run_as) if settings.run_as else None
+    if why is not None and settings.sandbox == "required":
+        raise SetupFailed(JobError(type="SandboxUnavailable", message=why))
+    if why is None and root and run_as is None:
+        run_as = RunAs.nobody()  # never root inside the sandbox
     if run_as is not None:
-        _hand_over(run_as, settings=settings, run_dir=run_dir, checkpoint_dir=checkpoint_dir)
+        # A root bwrap binds what the ranks need whatever its folders' modes: only an unsandboxed
+        # rank must be able to walk the artifact root to its run directory.
+        _hand_over(
+            run_as, settings=settings, run_dir=run_dir, checkpoint_dir=checkpoint_dir, reach=why is not None
+        )
     ours = sdk_env(
         job_id=job_id,
         attempt=attempt,
@@ -103,11 +127,18 @@ def prepare(
         keep_last=spec.checkpoint.keep_last,
         supervisor=supervisor_id(),
     )
+    if why is None:
+        # The worker's pid means nothing in the sandbox's PID namespace; --die-with-parent does its work.
+        del ours[SUPERVISOR_ENV]
     if code_dir is not None:
         ours[CODE_DIR_ENV] = str(code_dir)
     if settings.data_root is not None:
         ours[DATA_ROOT_ENV] = str(settings.data_root)
-    env = rank_environment(worker_env=os.environ, dptrain=ours, user=spec.env, home=home, code_dir=code_dir)
+    # In the sandbox TMPDIR is its own short /tmp: AF_UNIX paths (multiprocessing's) fit in 108 bytes.
+    tmp = Path(sandbox.SANDBOX_TMP) if why is None else scratch.tmp
+    env = rank_environment(
+        worker_env=os.environ, dptrain=ours, user=spec.env, home=scratch.home, tmp=tmp, code_dir=code_dir
+    )
     if settings.node_slots > (os.cpu_count() or 1):
         # More rank slots than cores (`dptrain up`'s default, or an operator's --slots): ranks share
         # cores. torchrun gives each rank of a multi-rank job one OpenMP thread, but a single rank one
@@ -115,7 +146,20 @@ def prepare(
         # descheduled peers, and its steps take many times longer. One thread each, unless the
         # operator or the job set it.
         env.setdefault("OMP_NUM_THREADS", "1")
-    return RankSetup(cwd=code_dir or run_dir, env=env, run_as=run_as)
+    box = None
+    if why is None:
+        box = sandbox.Box(
+            run_dir=run_dir,
+            checkpoint_dir=checkpoint_dir,
+            workdir=scratch.workdir,
+            tmp_dir=scratch.tmp,
+            code_dir=code_dir,
+            data_root=settings.data_root,
+            gpus=spec.resources.device == "cuda",
+            uid=run_as.uid if root and run_as else None,
+            gid=run_as.gid if root and run_as else None,
+        )
+    return RankSetup(cwd=scratch.workdir, env=env, run_as=run_as, box=box, unsandboxed=why)
 
 
 def _own(top: Path, uid: int, gid: int) -> None:
@@ -128,16 +172,19 @@ def _own(top: Path, uid: int, gid: int) -> None:
     os.chmod(top, 0o700)
 
 
-def _hand_over(run_as: RunAs, *, settings: Settings, run_dir: Path, checkpoint_dir: Path) -> None:
-    # The run-as user may pass through the artifact root, the jobs folder and this job's folder
-    # (0711: enter, not list, so other jobs' names stay hidden) and owns this attempt's run
-    # directory and the job's checkpoints (0700). Other jobs' folders are the worker's again once
-    # their attempts end (`take_back`), so their checkpoints cannot be read.
+def _hand_over(
+    run_as: RunAs, *, settings: Settings, run_dir: Path, checkpoint_dir: Path, reach: bool
+) -> None:
+    # The run-as user owns this attempt's run directory and the job's checkpoints (0700). With
+    # `reach` it may also pass through the artifact root, the jobs folder and this job's folder
+    # (0711: enter, not list, so other jobs' names stay hidden). Other jobs' folders are the
+    # worker's again once their attempts end (`take_back`), so their checkpoints cannot be read.
     job_dir = checkpoint_dir.parent
-    for folder in (settings.artifacts, settings.artifacts / "jobs", job_dir, run_dir.parent):
+    for folder in (settings.artifacts, settings.artifacts / "jobs", job_dir, run_dir.parent) if reach else ():
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o711)
     for owned in (run_dir, checkpoint_dir):
+        owned.mkdir(parents=True, exist_ok=True)
         _own(owned, run_as.uid, run_as.gid)
 
 

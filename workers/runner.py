@@ -26,10 +26,12 @@ from api_schemas import JobError, JobSpec, JobStatus
 from service.config import Settings
 from service.db import session_factory
 from service.files import PRIVATE_UMASK
+from service.jobs import lifecycle
 from service.jobs import repository as jobs_repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
 from service.scheduling import repository as placement
+from workers import sandbox
 from workers.attempts import end_abnormally, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import Rendezvous, torchrun_command
@@ -37,6 +39,7 @@ from workers.node_run import Attempt, NodeRun, RunPaths
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
 from workers.reporting import Reporter
+from workers.scratch import remove_earlier, remove_scratch
 from workers.watch import Watch, stop_file, stopping
 
 log = logging.getLogger(__name__)
@@ -189,6 +192,8 @@ def _supervise(
     # beside ours. Only this node's: other nodes of the job may share this host (tests, small setups).
     if left := sweep_ranks(job_id, node=settings.node):
         log.warning("job %s: killed %d processes of an earlier attempt", job_id, left)
+    # Scratch an earlier attempt here could not remove (its worker died first).
+    remove_earlier(paths.job_dir, attempt=att.number, node_rank=paths.node_rank)
     for sub in ("logs", "events"):
         (paths.run_dir / sub).mkdir(parents=True, exist_ok=True)
     paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -210,12 +215,18 @@ def _supervise(
             attempt=att.number,
             run_dir=paths.run_dir,
             checkpoint_dir=paths.checkpoint_dir,
+            # Probed once per worker process, for real (the worker's start did it already).
+            unsandboxed=sandbox.unavailable(settings.sandbox),
         )
     except SetupFailed as exc:
         return end_abnormally(sessions, att=att, error=exc.error)
+    if setup.unsandboxed is not None:
+        _note_unsandboxed(sessions, run=run, settings=settings, why=setup.unsandboxed)
     try:
         return _launch(sessions=sessions, settings=settings, run=run, paths=paths, setup=setup)
     finally:
+        # Its ranks are gone (_launch killed what was left): only what they wrote on purpose stays.
+        remove_scratch(paths.run_dir)
         if setup.run_as is not None:
             take_back(run_dir=paths.run_dir, checkpoint_dir=paths.checkpoint_dir if run.is_primary else None)
 
@@ -240,10 +251,19 @@ def _launch(
         stop_file=stop_file(paths.run_dir) if spec.command is not None else None,
     )
     proc = _start(settings=settings, run=run, paths=paths, setup=setup)
+    sandboxed = setup.box is not None
     try:
-        _watch(proc, settings=settings, reporter=reporter, watch=watch, deadline=deadline, job_id=job_id)
+        _watch(
+            proc,
+            settings=settings,
+            reporter=reporter,
+            watch=watch,
+            deadline=deadline,
+            job_id=job_id,
+            sandboxed=sandboxed,
+        )
     finally:
-        kill_group(proc)
+        kill_group(proc, sandboxed=sandboxed)
         if left := sweep_ranks(job_id, node=settings.node):
             log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
     _final_flush(reporter, settings=settings, job_id=job_id)
@@ -282,7 +302,12 @@ def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetu
         # another network): the one holding this node's address is the one its peers reach.
         env |= {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
     # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
-    user: dict[str, Any] = {"umask": PRIVATE_UMASK, **(setup.run_as.popen_args() if setup.run_as else {})}
+    user: dict[str, Any] = {"umask": PRIVATE_UMASK}
+    if setup.box is not None:
+        # bwrap starts as the worker; a root worker's sandbox switches to the ranks' user inside.
+        argv = sandbox.bwrap_argv(setup.box, argv)
+    elif setup.run_as is not None:
+        user |= setup.run_as.popen_args()
     proc = _start_ranks(argv, env=env, cwd=setup.cwd, log_path=paths.launcher_log, user=user)
     # For operators (and a recovering worker on another machine's tooling): which group to kill.
     with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
@@ -316,6 +341,7 @@ def _watch(
     watch: Watch,
     deadline: float | None,
     job_id: str,
+    sandboxed: bool,
 ) -> None:
     """Report what the ranks write while torchrun runs, and stop them when `watch` decides to."""
     last_flush = time.monotonic()
@@ -336,7 +362,7 @@ def _watch(
             watch.stop(reason)
             log.info("job %s: stopping its ranks (%s)", job_id, reason)
         if watch.signal_due():
-            stop_group(proc, grace=watch.kill_after())
+            stop_group(proc, grace=watch.kill_after(), sandboxed=sandboxed)
 
 
 def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None) -> str | None:
@@ -352,6 +378,18 @@ def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None) -> st
     if watch.stalled():
         return "stall"
     return None
+
+
+def _note_unsandboxed(sessions: sessionmaker[Session], *, run: NodeRun, settings: Settings, why: str) -> None:
+    """Say in the job's timeline that this node ran its ranks without the sandbox, and why."""
+    note = f"node {run.node_rank} ({settings.node}): ranks not sandboxed ({why})"
+    try:
+        with sessions.begin() as session:
+            lifecycle.note_running(session, job_id=run.att.job_id, attempt=run.att.number, note=note)
+    except Exception:  # noqa: BLE001 - the run itself does not depend on the note
+        log.warning(
+            "job %s: noting the missing sandbox in its timeline failed", run.att.job_id, exc_info=True
+        )
 
 
 def _final_flush(reporter: Reporter, *, settings: Settings, job_id: str) -> None:

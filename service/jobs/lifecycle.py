@@ -76,6 +76,22 @@ def transition(
     return job
 
 
+def note_running(session: Session, *, job_id: str, attempt: int, note: str) -> None:
+    """Add `note` to the reason of the timeline entry that started `attempt` (what its start could not do)."""
+    # A note on the entry rather than an entry of its own: the timeline stays one row per status change.
+    started = (
+        select(func.max(JobTransition.id))
+        .where(
+            JobTransition.job_id == job_id,
+            JobTransition.attempt == attempt,
+            JobTransition.to_status == JobStatus.RUNNING.value,
+        )
+        .scalar_subquery()
+    )
+    reason = func.coalesce(JobTransition.reason + "; ", "") + note
+    session.execute(update(JobTransition).where(JobTransition.id == started).values(reason=reason))
+
+
 def end_of_cancelled_run(*, finished: bool) -> tuple[JobStatus, str]:
     """How a running job whose cancel was requested ends: `succeeded` if its work finished first."""
     # `finished`: every step ran and the final checkpoint is written (the engine's finished event

@@ -27,6 +27,7 @@ def prepared(settings: Settings, tmp_path: Path) -> RankSetup:
         attempt=1,
         run_dir=tmp_path / "run",
         checkpoint_dir=tmp_path / "ckpt",
+        unsandboxed=None,
     )
 
 
@@ -100,5 +101,6 @@ def test_oversubscribed_ranks_get_one_thread_each(
         attempt=1,
         run_dir=tmp_path / "run",
         checkpoint_dir=tmp_path / "ckpt",
+        unsandboxed=None,
     )
     assert setup.env.get("OMP_NUM_THREADS") == threads, setup.env

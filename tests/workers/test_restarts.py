@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,12 +56,22 @@ def _paths(settings: Settings, job_id: str, *, attempt: int) -> RunPaths:
 
 def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
     # A CPU rank is a fork of torchrun's agent: its command line and /proc environ are the agent's,
-    # so the rank's own log line ("... rank R/W on cpu ... pid=P") says which process it is.
+    # so the rank's own log line ("... rank R/W on cpu ... pid=P") says which process it is. P is its
+    # pid in the sandbox's PID namespace: the host's process whose innermost pid (NSpid) it is.
     log = _paths(settings, job_id, attempt=1).run_dir / "logs" / f"rank{rank}.log"
     found = re.search(rf"rank {rank}/\d+ on .* pid=(\d+)", log.read_text() if log.exists() else "")
-    if found and int(found.group(1)) in {p.pid for p in rank_processes(job_id)}:
-        return int(found.group(1))
+    for p in rank_processes(job_id) if found else []:
+        if found and _innermost_pid(p.pid) == int(found.group(1)):
+            return p.pid
     raise AssertionError(f"no rank {rank} process of job {job_id} found")
+
+
+def _innermost_pid(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[-1]) for line in status.splitlines() if line.startswith("NSpid:")), None)
 
 
 def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:

@@ -1,0 +1,137 @@
+"""The bwrap command line of an attempt's sandbox: what it binds, how, what it never shows."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers import sandbox
+from workers.sandbox import Box, bwrap_argv
+from workers.scratch import make_scratch, remove_scratch
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def _mounts(argv: list[str]) -> dict[str, tuple[str, str]]:
+    """Destination -> (option, source) of every bind in `argv` (before the command)."""
+    found: dict[str, tuple[str, str]] = {}
+    args = argv[: argv.index("--")]
+    for i, arg in enumerate(args):
+        if arg in ("--bind", "--ro-bind", "--dev-bind"):
+            found[args[i + 2]] = (arg, args[i + 1])
+    return found
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Box:
+    """A node's sandbox as the worker makes it: DPTRAIN_HOME holds the code cache, artifacts live apart."""
+    home = tmp_path / "home"
+    code = home / "code-cache" / ("ab" * 32)
+    run_dir = tmp_path / "artifacts" / "jobs" / "j1" / "attempt-1" / "node-0"
+    for folder in (code, run_dir, tmp_path / "data"):
+        folder.mkdir(parents=True)
+    (home / "token").write_text("secret")
+    scratch = make_scratch(run_dir, code)
+    return Box(
+        run_dir=run_dir,
+        checkpoint_dir=run_dir.parents[1] / "checkpoints",
+        workdir=scratch.workdir,
+        tmp_dir=scratch.tmp,
+        code_dir=code,
+        data_root=tmp_path / "data",
+    )
+
+
+class TestMounts:
+    def test_the_attempts_folders_are_writable_at_their_host_paths(self, box: Box) -> None:
+        mounts = _mounts(bwrap_argv(box, TORCHRUN))
+        assert mounts[str(box.run_dir)] == ("--bind", str(box.run_dir))
+        assert mounts[str(box.checkpoint_dir)] == ("--bind", str(box.checkpoint_dir))
+        assert mounts["/tmp"] == ("--bind", str(box.tmp_dir)), "/tmp is the attempt's own tmp"
+
+    def test_code_data_python_and_system_are_read_only(self, box: Box) -> None:
+        mounts = _mounts(bwrap_argv(box, TORCHRUN))
+        assert box.code_dir is not None and box.data_root is not None
+        for path in (
+            box.code_dir,
+            box.data_root,
+            Path(os.path.realpath(sys.base_prefix)),
+            Path("/usr"),
+            Path("/etc"),
+        ):
+            assert mounts.get(str(path)) == ("--ro-bind", str(path)), (
+                f"{path} read-only: {mounts.get(str(path))}"
+            )
+        writable = {dest for dest, (option, _) in mounts.items() if option != "--ro-bind"}
+        assert writable == {str(box.run_dir), str(box.checkpoint_dir), "/tmp"}, writable
+
+    def test_nothing_else_of_dptrain_home_and_not_the_repository_root(self, box: Box) -> None:
+        assert box.code_dir is not None
+        home = box.code_dir.parents[1]
+        sources = {Path(source) for _, source in _mounts(bwrap_argv(box, TORCHRUN)).values()}
+        under_home = {s for s in sources if s == home or home in s.parents}
+        assert under_home == {box.code_dir}, f"only the job's own code tree of DPTRAIN_HOME: {under_home}"
+        assert not [s for s in sources if s in home.parents], "no folder above DPTRAIN_HOME is bound"
+        # In development our packages are an editable install of this repository, whose root may hold
+        # the default DPTRAIN_HOME (.dptrain): each package folder is bound, never the root.
+        assert ROOT not in sources and not [s for s in sources if s in ROOT.parents]
+        assert ROOT / "workers" in sources or any(s in (ROOT / "workers").parents for s in sources)
+
+    def test_new_namespaces_proc_and_dev_and_the_working_directory(self, box: Box) -> None:
+        argv = bwrap_argv(box, TORCHRUN)
+        options = argv[: argv.index("--")]
+        for flag in ("--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session"):
+            assert flag in options, flag
+        assert "--unshare-net" not in options, "multi-node rendezvous needs the host's network"
+        assert (
+            options[options.index("--proc") + 1] == "/proc" and options[options.index("--dev") + 1] == "/dev"
+        )
+        assert options[options.index("--chdir") + 1] == str(box.workdir)
+        assert argv[-len(TORCHRUN) :] == TORCHRUN
+
+    def test_gpus_are_device_bound_on_cuda_nodes_only(
+        self, box: Box, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(sandbox.glob, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidiactl"])
+        assert "--dev-bind" not in bwrap_argv(box, TORCHRUN)
+        mounts = _mounts(bwrap_argv(Box(**{**box.__dict__, "gpus": True}), TORCHRUN))
+        assert mounts["/dev/nvidia0"] == ("--dev-bind", "/dev/nvidia0")
+        assert mounts["/dev/nvidiactl"] == ("--dev-bind", "/dev/nvidiactl")
+
+
+class TestUser:
+    def test_a_root_workers_sandbox_switches_to_the_ranks_user_with_no_new_privileges(self, box: Box) -> None:
+        argv = bwrap_argv(Box(**{**box.__dict__, "uid": 65534, "gid": 65534}), TORCHRUN)
+        switch = argv[argv.index("--") + 1 : -len(TORCHRUN)]
+        assert switch[0] == "setpriv" and "--reuid=65534" in switch and "--regid=65534" in switch
+        assert {"--clear-groups", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"} <= set(switch)
+        assert "--unshare-user" not in argv, "a root bwrap's user namespace would map the ranks to host root"
+
+    def test_without_a_user_the_command_runs_as_bwraps_own(self, box: Box) -> None:
+        argv = bwrap_argv(box, TORCHRUN)
+        assert argv[argv.index("--") + 1 :] == TORCHRUN
+
+
+class TestScratch:
+    def test_the_workdir_is_a_writable_copy_and_scratch_goes_at_the_end(self, tmp_path: Path) -> None:
+        code = tmp_path / "code"
+        (code / "pkg").mkdir(parents=True)
+        (code / "pkg" / "train.py").write_text("print(1)\n")
+        (code / "run.sh").write_text("#!/bin/sh\n")
+        os.chmod(code / "run.sh", 0o555)
+        for path in (code / "pkg" / "train.py", code / "pkg", code):
+            os.chmod(path, 0o555 if path.is_dir() else 0o444)
+        run_dir = tmp_path / "run"
+        (run_dir / "logs").mkdir(parents=True)
+        scratch = make_scratch(run_dir, code)
+        (scratch.workdir / "state.txt").write_text("mine")
+        (scratch.workdir / "pkg" / "train.py").write_text("changed\n")
+        assert (code / "pkg" / "train.py").read_text() == "print(1)\n", "the cached tree is untouched"
+        assert os.access(scratch.workdir / "run.sh", os.X_OK), "an executable stays executable"
+        os.chmod(scratch.workdir / "pkg", 0o500)  # a job that locks a folder of its own
+        remove_scratch(run_dir)
+        assert sorted(p.name for p in run_dir.iterdir()) == ["logs"], "work, tmp and home are gone; logs stay"
