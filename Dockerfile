@@ -11,11 +11,13 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY api_schemas api_schemas
+COPY rank_contract rank_contract
 COPY service service
 COPY workers workers
 COPY migrations migrations
 COPY dptrain dptrain
 COPY dptrain_cli dptrain_cli
+COPY dptrain_server dptrain_server
 # [all]: the same image runs the API and the workers (a bare `.` would be the client alone).
 RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX" '.[all]'
 ENV DPTRAIN_ARTIFACT_ROOT=/artifacts

@@ -39,7 +39,7 @@ bench-smoke: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy api_schemas service workers dptrain dptrain_cli bench
+	$(VENV)/bin/mypy api_schemas service workers dptrain dptrain_cli dptrain_server bench
 
 clean:
 	rm -rf $(VENV) .dptrain .pytest_cache .mypy_cache .ruff_cache

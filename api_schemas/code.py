@@ -2,31 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 from pydantic import AfterValidator, Field, StringConstraints, WithJsonSchema
 
 from api_schemas.base import Strict
-
-# A user's variable must not steer the loader, the interpreter, dptrain itself or torchrun's wiring:
-# those decide what code runs and how the ranks find each other, not the user's program.
-RESERVED_ENV_PREFIXES = ("DPTRAIN_", "LD_", "PYTHON", "TORCHELASTIC_")
-RESERVED_ENV_NAMES = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "PATH",
-    }
-)
-
+from api_schemas.env import ENV_NAME_PATTERN, env_name_problem
 
 SHA256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 # One argument of a command: any text but NUL (an argv entry cannot hold one).
@@ -34,14 +15,8 @@ CommandArg = Annotated[str, StringConstraints(min_length=1, max_length=4096, pat
 
 
 def _env_name(value: str) -> str:
-    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value) is None:
-        raise ValueError("expected a variable name: letters, digits and '_', not starting with a digit")
-    upper = value.upper()
-    if upper.startswith(RESERVED_ENV_PREFIXES) or upper in RESERVED_ENV_NAMES:
-        raise ValueError(
-            f"{value} is reserved: DPTRAIN_*, LD_*, PYTHON*, TORCHELASTIC_*, PATH and torchrun's own "
-            "variables are set by the worker"
-        )
+    if (problem := env_name_problem(value)) is not None:
+        raise ValueError(problem)
     return value
 
 
@@ -49,7 +24,8 @@ EnvName = Annotated[
     str,
     StringConstraints(max_length=128),
     AfterValidator(_env_name),
-    WithJsonSchema({"type": "string", "maxLength": 128, "pattern": r"^[A-Za-z_][A-Za-z0-9_]*$"}),
+    # The pattern in the OpenAPI schema; the deny-list (api_schemas/env.py) only in the 422s.
+    WithJsonSchema({"type": "string", "maxLength": 128, "pattern": ENV_NAME_PATTERN}),
 ]
 EnvValue = Annotated[str, StringConstraints(max_length=32_768, pattern=r"^[^\x00]*$")]
 

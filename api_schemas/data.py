@@ -113,6 +113,18 @@ class DataSpec(Strict):
         description="Keep the evaluation loader's processes between evaluations (training uses one "
         "loader pass for the whole run anyway).",
     )
+    # A bound on waiting, not a liveness signal: loader processes that die or cannot send a batch
+    # already fail the rank within moments (workers/engine/loader_faults.py), so this only ends a
+    # process alive but stuck. It counts from the rank asking for a batch, which its process started
+    # earlier, so it misfires only on a single batch slower than this: generous by default, below
+    # the stall timeout (whose error could not say it was the loader).
+    loader_timeout_seconds: int = Field(
+        600,
+        ge=1,
+        le=86_400,
+        description="Fail the rank (LoaderTimeout) when its loader processes, though alive, send no batch "
+        "for this long. Applies with num_workers > 0.",
+    )
     train: DataSource | None = Field(
         None, description="Training data from the data root, for recipes and plans that read files."
     )

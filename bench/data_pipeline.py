@@ -40,8 +40,8 @@ from api_schemas import JobSpec
 from bench.common import Result, cli, interleaved, ratio_of, result, timed
 from bench.engine_overhead import NoCheckpoints
 from dptrain import Plan
-from workers.engine import distributed as D
-from workers.engine.data import mix_seed
+from workers.engine import distributed
+from workers.engine.batch_sampler import mix_seed
 from workers.engine.events import EventWriter
 from workers.engine.recipes import plan_params
 from workers.engine.trainer import Trainer
@@ -162,7 +162,7 @@ def engine_side(case: Case, work: int, num_workers: int, run_dir: Path) -> tuple
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventWriter(run_dir / "events" / "rank0.jsonl", 0)
     ckpt = NoCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, True, cfg.checkpoint.every_steps)
-    trainer = Trainer(cfg, plan, D.DistEnv(), torch.device("cpu"), events, ckpt)
+    trainer = Trainer(cfg, plan, distributed.DistEnv(), torch.device("cpu"), events, ckpt)
 
     def run() -> None:
         trainer.iter = 0  # train() runs from ITER to steps: the same steps (and a new loader) every round

@@ -25,9 +25,9 @@ from torch import nn
 
 from api_schemas import JobSpec
 from bench.common import RecipeCase, Result, cli, interleaved, ratio_of, result, timed
-from workers.engine import distributed as D
+from workers.engine import distributed
+from workers.engine.batch_sampler import mix_seed
 from workers.engine.checkpoint import CheckpointManager, LoadedCheckpoint
-from workers.engine.data import mix_seed
 from workers.engine.events import EventWriter
 from workers.engine.recipes import RECIPES, plan_params
 from workers.engine.trainer import Trainer
@@ -98,7 +98,7 @@ def engine_side(
     plan = RECIPES[case.recipe](plan_params(cfg), SEED)
     events = EventWriter(run_dir / "events" / "rank0.jsonl", 0)
     ckpt = NoCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, True, cfg.checkpoint.every_steps)
-    trainer = Trainer(cfg, plan, D.DistEnv(), device, events, ckpt, backend=backend)
+    trainer = Trainer(cfg, plan, distributed.DistEnv(), device, events, ckpt, backend=backend)
 
     def run() -> None:
         trainer.iter = 0  # train() runs from ITER to cfg.hyperparameters.steps: the same steps every round

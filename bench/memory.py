@@ -37,7 +37,7 @@ import torch
 
 from api_schemas import JobSpec
 from bench.common import RecipeCase
-from workers.engine import distributed as D
+from workers.engine import distributed
 from workers.engine.memory import checkpointed_parts
 from workers.engine.recipes import RECIPES
 from workers.engine.trainer import Trainer
@@ -162,7 +162,9 @@ def _trainer(case: Case, checkpointing: bool, steps: int, device: torch.device) 
     torch.manual_seed(SEED)
     plan = RECIPES[case.recipe](extras, SEED)
     # Events and checkpoints are never touched: only wrap() and the training step run here.
-    return Trainer(JobSpec.model_validate(spec), plan, D.DistEnv(), device, cast(Any, None), cast(Any, None))
+    return Trainer(
+        JobSpec.model_validate(spec), plan, distributed.DistEnv(), device, cast(Any, None), cast(Any, None)
+    )
 
 
 def measure(case: Case, checkpointing: bool, steps: int, device: torch.device) -> Measurement:

@@ -41,7 +41,6 @@ from operator import index
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dptrain._env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, stop_file
 from dptrain.errors import (
     ApiError,
     Conflict,
@@ -55,12 +54,11 @@ from dptrain.errors import (
     Unplaceable,
     WaitTimeout,
 )
+from rank_contract.env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, stop_file
 
 if TYPE_CHECKING:
     from dptrain.client import Client
     from dptrain.plan import BuildContext, Plan
-    from workers.engine.checkpoint import CheckpointManager
-    from workers.engine.events import EventWriter
 
 __all__ = [
     "ApiError",
@@ -114,10 +112,12 @@ class _Run:
     checkpoint_dir: Path | None
     keep_last: int
     lock: threading.Lock = field(default_factory=threading.Lock)
-    events: EventWriter | None = None
-    checkpoints: CheckpointManager | None = None
+    # The engine's EventWriter and CheckpointManager, imported on first use (never at module level:
+    # the SDK sits above the worker's code and reaches into it only from inside a rank).
+    events: Any = None
+    checkpoints: Any = None
 
-    def writer(self) -> EventWriter:
+    def writer(self) -> Any:
         """Rank 0's event writer (opened once, kept open: a report is one line and one flush)."""
         from workers.engine.events import EventWriter, events_path
 
@@ -125,7 +125,7 @@ class _Run:
             self.events = EventWriter(events_path(self.run_dir, self.rank), self.rank)
         return self.events
 
-    def manager(self) -> CheckpointManager:
+    def manager(self) -> Any:
         """The checkpoint directory's manager (rank 0's sweeps temp files left by a killed save)."""
         from workers.engine.checkpoint import CheckpointManager
 

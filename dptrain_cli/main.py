@@ -1,8 +1,9 @@
 """`dptrain`: talk to the service (submit, status, list, cancel, logs, watch, download) or run it.
 
 Built on `dptrain.Client`. The client commands need only the light install (`pip install dptrain`);
-the server commands (api, worker, migrate, up, users) import the server's modules when they run, and
-say which extra to install when those are missing (dptrain_cli/server.py).
+the server commands (api, worker, migrate, up, users) live in `dptrain_server`, which is loaded only
+when one of them is asked for (dptrain_cli/lazy.py); they import the server's modules when they run,
+and say which extra to install when those are missing.
 """
 
 from __future__ import annotations
@@ -24,18 +25,14 @@ from api_schemas import Job, JobError, JobStatus
 from dptrain.client import Client, CodeTooLarge
 from dptrain.errors import ApiError, PayloadTooLarge, Refused, Unplaceable, WaitTimeout
 from dptrain.specfile import SpecFileError, load_spec
-from dptrain_cli import server, users
 from dptrain_cli.follow import Progress, watch_job
 from dptrain_cli.junit import junit_report
+from dptrain_cli.lazy import WithServerCommands
 from dptrain_cli.output import Output, emit_json, inert, out, say
 
-app = typer.Typer(no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP.")
-
-app.command()(server.api)
-app.command()(server.worker)
-app.command()(server.migrate)
-app.command()(server.up)
-app.add_typer(users.app, name="users")
+app = typer.Typer(
+    cls=WithServerCommands, no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP."
+)
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED, EXIT_CANCELLED, EXIT_UNPLACEABLE = 0, 1, 2, 3, 4, 5
 

@@ -25,11 +25,11 @@ from service.headers import SecurityHeaders
 from service.jobs.poll_cache import JobPollCache, listen
 from service.jobs.router import router as jobs_router
 from service.limits import BodyLimit, TokenBuckets
+from service.nodes.router import router as nodes_router
 from service.ops.metrics import DatabaseCollector, RequestLatency, request_histogram
 from service.ops.router import router as ops_router
 from service.scheduling.scheduler import Kicker, Scheduler
 from service.users.router import router as users_router
-from service.workers.router import router as workers_router
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ def create_app(
     app.state.rate_limiter = TokenBuckets(
         rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst
     )
+    app.state.auth_failure_limiter = TokenBuckets(
+        rate=settings.auth_failures_per_second, burst=settings.auth_failure_burst
+    )
     # Added before RequestLatency, so it runs inside it (the last added is outermost): 413s are measured.
     # Code archives stream to disk under their own cap (DPTRAIN_CODE_MAX_BYTES), never buffered here.
     streamed = (f"{code_router.prefix}/",)
@@ -104,7 +107,7 @@ def create_app(
     app.add_middleware(SecurityHeaders, docs_paths=docs_paths)
     app.include_router(jobs_router)
     app.include_router(users_router)
-    app.include_router(workers_router)
+    app.include_router(nodes_router)
     app.include_router(ops_router)
     app.include_router(code_router)
     install_dashboard(app)

@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     # Log lines and metric points of jobs finished more than this many days ago are deleted (the job
     # row, its timeline, latest metrics, error and checkpoints stay). 0 keeps everything.
     history_retention_days: float = 0.0
+    # The most a job's log lines take in the database (UTF-8 bytes, all attempts and ranks together);
+    # past it a worker drops further lines, with a line saying so and, at the end of the attempt, one
+    # counting what was dropped. One line keeps at most 8000 characters (the rest is cut, and says so).
+    max_log_bytes_per_job: int = Field(64 << 20, ge=1024)
 
     # Module prefixes whose `package.module:function` a job's `entrypoint` may name without uploaded
     # code (modules an operator installed on every worker), comma-separated.
@@ -95,6 +99,14 @@ class Settings(BaseSettings):
     # Retry-After. 0 turns it off.
     rate_limit_per_second: float = Field(20.0, ge=0)
     rate_limit_burst: int = Field(100, ge=1)
+    # Bearer tokens this API process does not know yet cost a database lookup each, so each client
+    # address may try them at `auth_failures_per_second`, bursts up to `auth_failure_burst`; beyond it
+    # 429 with Retry-After, before any lookup. A token that turns out valid gives its try back, so
+    # only invalid ones count. Behind a reverse proxy the address is the proxy's unless the server
+    # trusts its X-Forwarded-For (`dptrain api` runs uvicorn with proxy headers from
+    # FORWARDED_ALLOW_IPS). 0 turns it off.
+    auth_failures_per_second: float = Field(1.0, ge=0)
+    auth_failure_burst: int = Field(30, ge=1)
     # Live (unrevoked) tokens a user may hold; minting another answers 409 until some are revoked.
     max_tokens_per_user: int = Field(20, ge=1)
     # A user's jobs running at once (admins included); placement leaves the rest queued, with a reason.

@@ -167,9 +167,7 @@ class BearerUser(HTTPBearer):
             wait = limiter.take(f"token:{digest}")
             if wait is not None:
                 raise TooManyRequests("rate limit of this token exceeded", retry_after=wait)
-            user = await _cached_user(request, digest)
-            if user is None:
-                raise Unauthorized()
+            user = await _looked_up(request, digest)
         # Keyed by user, not token: a user may mint tokens, and each would otherwise bring a fresh burst.
         wait = limiter.take(f"user:{user.id}")
         if wait is not None:
@@ -180,6 +178,23 @@ class BearerUser(HTTPBearer):
 
 
 get_current_user = BearerUser()
+
+
+async def _looked_up(request: Request, digest: str) -> User:
+    """The user of a token the cache does not hold, or 401; 429 once its address tried too many."""
+    # A flood of distinct tokens brings a fresh per-token bucket each: the client's address pays
+    # for every lookup before it is made, and gets its try back if the token was valid, so only
+    # invalid tokens spend it (DPTRAIN_AUTH_FAILURES_PER_SECOND).
+    failures: TokenBuckets = request.app.state.auth_failure_limiter
+    address = f"address:{request.client.host if request.client else 'unknown'}"
+    wait = failures.take(address)
+    if wait is not None:
+        raise TooManyRequests("too many unknown bearer tokens from this address", retry_after=wait)
+    user = await _cached_user(request, digest)
+    if user is None:
+        raise Unauthorized()
+    failures.refund(address)
+    return user
 
 
 async def _cached_user(request: Request, digest: str) -> User | None:

@@ -84,7 +84,7 @@ def install_error_handler(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _handle(_request: Request, exc: ServiceError) -> JSONResponse:
         return JSONResponse(
-            {"error": type(exc).__name__, "detail": exc.message},
+            {"error": type(exc).__name__, "detail": text(exc.message)},
             status_code=exc.status_code,
             headers=exc.headers,
         )
@@ -109,8 +109,13 @@ def install_error_handler(app: FastAPI) -> None:
 
 
 def jsonable(value: Any, *, depth: int = 0) -> Any:
-    """`value` as strict JSON can carry it: non-finite floats as "NaN" or "Infinity", odd objects as text."""
-    if value is None or isinstance(value, bool | int | str):
+    """`value` as strict JSON can carry it: non-finite floats as "NaN" or "Infinity", odd objects as text.
+
+    Text is escaped where UTF-8 cannot carry it (`text`), keys too: a 422 echoes what was sent.
+    """
+    if isinstance(value, str):
+        return text(value)
+    if value is None or isinstance(value, bool | int):
         return value
     if isinstance(value, float):
         if math.isfinite(value):
@@ -123,10 +128,18 @@ def jsonable(value: Any, *, depth: int = 0) -> Any:
     if isinstance(value, dict | list | tuple | set | frozenset) and depth >= _ECHO_DEPTH:
         return "..."
     if isinstance(value, dict):
-        return {str(k): jsonable(v, depth=depth + 1) for k, v in value.items()}
+        return {text(str(k)): jsonable(v, depth=depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [jsonable(v, depth=depth + 1) for v in value]
-    return str(value)
+    return text(str(value))
+
+
+def text(value: str) -> str:
+    """`value` as UTF-8 can carry it: a lone surrogate (JSON's `"\\ud800"`) written as `\\ud800`."""
+    # ASCII first: the common case, and no copy. Any other character but a surrogate encodes as is.
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _allowed(request: Request) -> list[str]:

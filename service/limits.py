@@ -1,4 +1,4 @@
-"""Request limits: a body-size cap (413) and a per-user rate limit (429)."""
+"""Request limits: a body-size cap (413), rate limits per user and per address on unknown tokens (429)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class TokenBuckets:
-    """One token bucket per key (a user, an uncached token) in this process: `rate` per second, up to `burst`.
+    """One token bucket per key (a user, a token, a client address) in this process: `rate`/s, up to `burst`.
 
     In-process on purpose: no round trip per request. Several API processes each keep their own
     buckets, so the effective limit is per process (docs/api.md says so).
@@ -40,6 +40,15 @@ class TokenBuckets:
             if len(self._buckets) > self.MAX_KEYS:
                 self._forget_idle(now)
             return None
+
+    def refund(self, key: str) -> None:
+        """Give back one token `take` spent on `key` (what it paid for turned out not to count)."""
+        if self.rate <= 0:
+            return
+        now = self.clock()
+        with self._lock:
+            level, then = self._buckets.get(key, (self.burst, now))
+            self._buckets[key] = (min(self.burst, level + (now - then) * self.rate + 1.0), now)
 
     def _forget_idle(self, now: float) -> None:
         idle = [k for k, (lv, t) in self._buckets.items() if lv + (now - t) * self.rate >= self.burst]

@@ -2,15 +2,17 @@
 
 Python's `json` nests as deep as the interpreter's stack allows (a RecursionError past that, and a
 body just short of it parses, then fails to render its own validation error), and keeps `\\u0000`
-in strings, which PostgreSQL refuses in text and JSONB. Every route of ours is a `StrictJSONRoute`,
-so its body is read by `loads` instead, in this one place, before any model sees it. Non-finite
-numbers (`NaN`, `Infinity`, `1e999`) are left to the models (`api_schemas.base.Strict`), which
-refuse them with the field's path.
+in strings, which PostgreSQL refuses in text and JSONB, and lone surrogates (`\\ud800`), which no
+UTF-8 encoder takes (the database's, or the answer's that echoes them). Every route of ours is a
+`StrictJSONRoute`, so its body is read by `loads` instead, in this one place, before any model sees
+it. Non-finite numbers (`NaN`, `Infinity`, `1e999`) are left to the models
+(`api_schemas.base.Strict`), which refuse them with the field's path.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -25,6 +27,11 @@ from api_schemas.base import MAX_JSON_DEPTH
 MAX_DEPTH = 2 * MAX_JSON_DEPTH
 NOT_JSON_TEXT = "body is not valid JSON text"
 STRING_NUL, NUL_MESSAGE = "string_nul", "Strings may not contain NUL (\\u0000)"
+STRING_SURROGATE = "string_surrogate"
+SURROGATE_MESSAGE = "Strings may not contain a lone surrogate (\\ud800-\\udfff without its pair)"
+# `\uD800`..`\uDFFF` in the text: a surrogate escape, paired (one character once parsed) or not.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _TOO_DEEP = f"JSON nested too deeply: more than {MAX_DEPTH} levels of arrays and objects"
 
 
@@ -40,7 +47,8 @@ def loads(body: bytes) -> Any:
     except ValueError as exc:  # not UTF-8 (UnicodeDecodeError), an integer of more than 4300 digits
         raise _invalid(("body",), NOT_JSON_TEXT, ctx={"error": str(exc)}) from exc
     # Walking the value costs more than parsing it; only a body that may hold something to refuse is walked.
-    if b"\\u0000" in body or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+    nested = body.count(b"[") + body.count(b"{") > MAX_DEPTH
+    if b"\\u0000" in body or _SURROGATE_ESCAPE.search(body) or nested:
         errors = _refusals(value)
         if errors:
             raise RequestValidationError(errors)
@@ -57,7 +65,7 @@ def _invalid(
 
 
 def _refusals(value: Any, *, limit: int = 20) -> list[dict[str, Any]]:
-    """Entries for every NUL in a string or key and every container too deep, in document order."""
+    """Entries for every NUL or lone surrogate in a string or key and every container too deep, in order."""
     errors: list[dict[str, Any]] = []
     # Iterative: a value nested as deep as the parser allowed must not recurse here.
     stack: list[tuple[tuple[str | int, ...], Any]] = [(("body",), value)]
@@ -69,17 +77,23 @@ def _refusals(value: Any, *, limit: int = 20) -> list[dict[str, Any]]:
                 continue
             pairs = list(item.items()) if isinstance(item, dict) else list(enumerate(item))
             for key, child in reversed(pairs):
-                if isinstance(key, str) and "\x00" in key:
-                    errors.append(_nul(loc + (key,), key))
+                if isinstance(key, str) and (error := _bad_text(loc + (key,), key)) is not None:
+                    errors.append(error)
                 stack.append((loc + (key,), child))
-        elif isinstance(item, str) and "\x00" in item:
-            errors.append(_nul(loc, item))
+        elif isinstance(item, str) and (error := _bad_text(loc, item)) is not None:
+            errors.append(error)
     return errors
 
 
-def _nul(loc: tuple[str | int, ...], text: str) -> dict[str, Any]:
-    # PostgreSQL stores no NUL in text or JSONB: refused here rather than failing the INSERT.
-    return {"type": STRING_NUL, "loc": loc, "msg": NUL_MESSAGE, "input": text}
+def _bad_text(loc: tuple[str | int, ...], text: str) -> dict[str, Any] | None:
+    if "\x00" in text:
+        # PostgreSQL stores no NUL in text or JSONB: refused here rather than failing the INSERT.
+        return {"type": STRING_NUL, "loc": loc, "msg": NUL_MESSAGE, "input": text}
+    if _SURROGATE.search(text) is not None:
+        # JSON's `\ud800` parses to a Python str that no UTF-8 encoder takes: not the database, not
+        # the answer echoing it back (the error handler escapes it).
+        return {"type": STRING_SURROGATE, "loc": loc, "msg": SURROGATE_MESSAGE, "input": text}
+    return None
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -96,6 +110,11 @@ class StrictJSONRequest(Request):
         if not hasattr(self, "_strict_json"):
             self._strict_json = loads(await self.body())
         return self._strict_json
+
+
+def parsed_body(request: Request) -> Any:
+    """The JSON body a `StrictJSONRoute` parsed before its dependencies ran, or None (none, or not JSON)."""
+    return getattr(request, "_strict_json", None)
 
 
 class StrictJSONRoute(APIRoute):

@@ -124,7 +124,7 @@ def register_node(
 ) -> None:
     """A worker node's heartbeat, as `dptrain worker` writes it, beating now."""
     from service.models.base import utcnow
-    from service.workers import repository
+    from service.nodes import repository
 
     with sessions.begin() as session:
         repository.heartbeat(

@@ -30,6 +30,31 @@ def _imports(folder: Path) -> dict[str, set[str]]:
     return found
 
 
+def _scoped_imports(path: Path) -> list[tuple[str, bool]]:
+    """(module, inside a function body) for every absolute import of `path`.
+
+    Module level includes class bodies and `if TYPE_CHECKING:` blocks: what a type checker, a
+    reader or a refactoring tool follows is a dependency whether or not it runs.
+    """
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend((a.name, in_function) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, in_function))
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def _top(module: str) -> str:
+    return module.split(".")[0]
+
+
 def test_engine_is_pure_torch_distributed() -> None:
     # The engine reads the API's own models (api_schemas imports only pydantic), nothing else of ours.
     forbidden = {"service", "celery", "sqlalchemy", "fastapi", "kombu", "dptrain_cli", "migrations"}
@@ -39,7 +64,7 @@ def test_engine_is_pure_torch_distributed() -> None:
 
 def test_the_sdk_reaches_no_service_code() -> None:
     # User scripts import `dptrain` in the ranks: it must not pull in the service, its database or
-    # broker clients (nor need them installed); it shares only the engine's torch-free file formats.
+    # broker clients (nor need them installed). What it shares with the worker lives in rank_contract.
     forbidden = {
         "service",
         "celery",
@@ -52,6 +77,33 @@ def test_the_sdk_reaches_no_service_code() -> None:
     }
     bad = {f: m & forbidden for f, m in _imports(ROOT / "dptrain").items() if m & forbidden}
     assert bad == {}, f"the SDK must not import {forbidden}: {bad}"
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The packages a module imports outside any function, so on its own import."""
+    found: set[str] = set()
+    todo: list[ast.AST] = [ast.parse(path.read_text())]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_the_cli_reaches_the_server_only_through_dptrain_server_on_demand() -> None:
+    # `pip install dptrain` is the client: its CLI package never imports the service or the worker,
+    # even inside a function; the server's commands live in dptrain_server, which the CLI loads
+    # only when one of them is asked for (dptrain_cli/lazy.py).
+    server = {"service", "workers"}
+    anywhere = {f: m & server for f, m in _imports(ROOT / "dptrain_cli").items() if m & server}
+    assert anywhere == {}, f"dptrain_cli must not import {server}: {anywhere}"
+    eager = [str(p.relative_to(ROOT)) for p in (ROOT / "dptrain_cli").rglob("*.py")]
+    eager = [f for f in eager if "dptrain_server" in _top_level_imports(ROOT / f)]
+    assert eager == [], f"dptrain_cli must import dptrain_server inside functions only: {eager}"
 
 
 def test_api_schemas_import_only_pydantic() -> None:
@@ -163,3 +215,53 @@ def test_no_import_cycles_between_our_files() -> None:
     }
     named = sorted(sorted(str(files[m].relative_to(ROOT)) for m in cycle) for cycle in cycles)
     assert named == [], f"import cycles between files (each imports the others, directly or not): {named}"
+
+
+def test_nothing_of_the_worker_imports_the_sdk() -> None:
+    # The SDK sits above the worker: the engine and the runner read the Plan, the datasets and the
+    # ranks' variables from rank_contract, so no import of `dptrain` anywhere, lazy ones included.
+    bad = {
+        str(path.relative_to(ROOT)): sorted(m for m, _ in _scoped_imports(path) if _top(m) == "dptrain")
+        for path in (ROOT / "workers").rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, "workers/ imports the SDK (use rank_contract)"
+
+
+def test_the_sdk_reaches_the_worker_only_from_inside_a_rank() -> None:
+    # `import dptrain` must not load the worker's code (nor the service's): only a function that runs
+    # in a rank (report, save_checkpoint, the collectives) may import workers.engine, and nothing else
+    # of workers or service, at call time.
+    module_level: dict[str, list[str]] = {}
+    in_functions: dict[str, list[str]] = {}
+    for path in (ROOT / "dptrain").rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for module, in_function in _scoped_imports(path):
+            if _top(module) not in {"workers", "service"}:
+                continue
+            if not in_function:
+                module_level.setdefault(rel, []).append(module)
+            elif not module.startswith("workers.engine"):
+                in_functions.setdefault(rel, []).append(module)
+    assert module_level == {}, f"dptrain imports the worker or the service at module level: {module_level}"
+    assert in_functions == {}, f"dptrain reaches past workers.engine: {in_functions}"
+
+
+def test_the_rank_contract_imports_none_of_its_users() -> None:
+    # rank_contract is the one home of what the SDK, the worker and the engine share: it sits below
+    # all of them and needs only the standard library, api_schemas, torch and numpy.
+    allowed = {"rank_contract", "api_schemas", "torch", "numpy"}
+    bad = {
+        str(path.relative_to(ROOT)): sorted(
+            m for m, _ in _scoped_imports(path) if _top(m) not in allowed | sys.stdlib_module_names
+        )
+        for path in (ROOT / "rank_contract").rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, f"rank_contract imports more than it may: {bad}"
+
+
+@pytest.mark.e2e  # a fresh interpreter: this one has torch loaded already
+def test_the_ranks_environment_names_import_without_torch() -> None:
+    # The light client (no torch installed) imports dptrain, which reads rank_contract.env.
+    code = "import sys, rank_contract.env; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

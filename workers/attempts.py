@@ -59,6 +59,12 @@ NOT_RETRIED = frozenset(
         # dataset cannot read for a reason other than I/O (DataReadError, an OSError's, is retried).
         "DataPathError",
         "DataLoadError",
+        # A loader process raised outside a sample's read (workers/engine/loader_faults.py): the rank
+        # reports the loader's own exception type, judged here like the rank's own. A batch that
+        # pickle refuses (PicklingError; TypeError, AttributeError above) is refused again by the same
+        # code. LoaderProcessDied (a signal: the OOM killer, a kill from outside) and LoaderTimeout (a
+        # loader stuck, most often on a read from network storage) are retried: they need not repeat.
+        "PicklingError",
     }
 )
 
@@ -149,6 +155,16 @@ def finish(
             log.warning("job %s: recording %s failed; retrying", job_id, dst.value, exc_info=True)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+
+def note_unsandboxed(sessions: sessionmaker[Session], *, att: Attempt, node: str, why: str) -> None:
+    """Say in the job's timeline that `node` runs this attempt's ranks without the sandbox, and why."""
+    try:
+        with sessions.begin() as session:
+            note = f"{node}: ranks not sandboxed ({why})"
+            lifecycle.note_running(session, job_id=att.job_id, attempt=att.number, note=note)
+    except Exception:  # noqa: BLE001 - the run itself does not depend on the note
+        log.warning("job %s: noting the missing sandbox in its timeline failed", att.job_id, exc_info=True)
 
 
 def launcher_error(log_path: Path, *, rc: int, started: bool) -> JobError:

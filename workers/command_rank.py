@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from dptrain._env import SUPERVISOR_ENV
+from rank_contract.env import SUPERVISOR_ENV
 from workers.engine.events import TRACEBACK_TAIL_LINES, ErrorEvent, EventWriter, events_path
 from workers.engine.launch import supervisor_id
 from workers.engine.main import default_signals, own_session, redirect_output

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
 from service.models.base import utcnow
-from service.workers import repository
+from service.nodes import repository
 
 log = logging.getLogger(__name__)
 

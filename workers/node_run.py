@@ -53,7 +53,7 @@ class RunPaths:
 
     @property
     def pid_file(self) -> Path:
-        """torchrun's pid, which is also its process group id (it leads a session of its own)."""
+        """The launcher's pid, its process group id: bwrap's (SIGKILL ends the sandbox), else torchrun's."""
         return self.run_dir / "torchrun.pid"
 
 

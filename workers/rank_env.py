@@ -14,6 +14,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from api_schemas.env import env_name_allowed
+
 # Passed through from the worker's environment: locale, time zone, terminal, and how the host's
 # accelerators, collectives and thread pools are set up (operator settings, not secrets).
 PASSED_THROUGH = (
@@ -55,12 +57,13 @@ def rank_environment(
     """The ranks' environment: allow-listed worker variables, then the user's, then dptrain's own.
 
     `dptrain` (the SDK's and the engine's variables) wins over `user`, whose names the spec already
-    keeps out of DPTRAIN_*, LD_*, PYTHON* and torchrun's. PATH starts with the worker interpreter's
-    directory, so `python` and `torchrun` are the worker's; HOME and TMPDIR (`tmp`: /tmp in the
-    sandbox) are the attempt's own.
+    keeps out of what steers the worker (api_schemas/env.py); any such name is dropped here too.
+    PATH starts with the worker interpreter's directory, so `python` and `torchrun` are the
+    worker's; HOME and TMPDIR (`tmp`: /tmp in the sandbox) are the attempt's own.
     """
     env = {k: v for k, v in worker_env.items() if _passed(k)}
-    env.update(user)
+    # The spec's rule again: a spec stored before a name was refused must not reach the ranks with it.
+    env.update({k: v for k, v in user.items() if env_name_allowed(k)})
     env |= {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{SYSTEM_PATH}",
         "HOME": str(home),

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from api_schemas import JobError, JobSpec
-from dptrain._env import DATA_ROOT_ENV, sdk_env
+from rank_contract.env import CODE_DIR_ENV, DATA_ROOT_ENV, SUPERVISOR_ENV, sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
 from workers import sandbox
 from workers.code_cache import CodeArchiveError, unpack_cached
-from workers.engine.launch import CODE_DIR_ENV, SUPERVISOR_ENV, supervisor_id
+from workers.engine.launch import supervisor_id
 from workers.rank_env import rank_environment
 from workers.scratch import make_scratch
 
@@ -105,12 +105,12 @@ def prepare(
     `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can.
     """
     why = unsandboxed
-    code_dir = unpack_code(settings, spec)
-    scratch = make_scratch(run_dir, code_dir)
-    root = os.getuid() == 0
-    run_as = RunAs.named(settings.run_as) if settings.run_as else None
     if why is not None and settings.sandbox == "required":
         raise SetupFailed(JobError(type="SandboxUnavailable", message=why))
+    root = os.getuid() == 0
+    run_as = RunAs.named(settings.run_as) if settings.run_as else None
+    code_dir = unpack_code(settings, spec)
+    scratch = make_scratch(run_dir, code_dir)
     if why is None and root and run_as is None:
         run_as = RunAs.nobody()  # never root inside the sandbox
     if run_as is not None:

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError
+from service.config import get_settings
 from service.jobs import repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
@@ -25,6 +26,7 @@ from workers.engine.events import (
     StartedEvent,
     parse_event,
 )
+from workers.log_budget import LogBudget
 from workers.tail import TailSet
 
 log = logging.getLogger(__name__)
@@ -54,8 +56,9 @@ class RunState:
 class Reporter:
     """Collects new events and log lines each tick and writes them in one transaction.
 
-    Nothing is dropped: a batch stays pending until its transaction commits, so a database
-    restart only delays it.
+    Nothing is dropped but log lines past DPTRAIN_MAX_LOG_BYTES_PER_JOB (`max_log_bytes`, by
+    default the process's setting; workers/log_budget.py): a batch stays pending until its
+    transaction commits, so a database restart only delays it.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Reporter:
         attempt: int,
         claim_token: str,
         run_dir: Path,
+        max_log_bytes: int | None = None,
     ) -> None:
         self.sessions = sessions
         self.job_id = job_id
@@ -75,7 +79,13 @@ class Reporter:
         self.logs = TailSet(run_dir / "logs", "*.log")
         self.state = RunState()
         self._metrics: list[dict[str, Any]] = []
+        # Lines wait in `_incoming` until the budget knows what the job stored before (the first
+        # flush reads it), then move to `_logs` (to write) or are dropped past the cap.
+        self._incoming: list[dict[str, Any]] = []
         self._logs: list[dict[str, Any]] = []
+        self._final = False
+        cap = max_log_bytes if max_log_bytes is not None else get_settings().max_log_bytes_per_job
+        self.log_budget = LogBudget(cap=cap, job_id=job_id, attempt=attempt)
         self._checkpoints: list[dict[str, Any]] = []
         self._deleted: list[str] = []
         self._progress_dirty = False
@@ -85,9 +95,12 @@ class Reporter:
         seen = 0
         for path, line in self.logs.read(final=final):
             seen += 1
-            self._logs.append(
+            self._incoming.append(
                 {"job_id": self.job_id, "attempt": self.attempt, "rank": _rank_of(path), "line": line}
             )
+        self._final = self._final or final
+        if self.log_budget.known:
+            self._admit()
         for path, line in self.events.read(final=final):
             seen += 1
             try:
@@ -146,15 +159,22 @@ class Reporter:
         elif isinstance(event, ErrorEvent):
             self.state.errors.append(event)
 
+    def _admit(self) -> None:
+        self._logs.extend(self.log_budget.admit(self._incoming, final=self._final))
+        self._incoming = []
+
     @property
     def pending(self) -> bool:
         """Whether collected reports wait to be written."""
-        return bool(self._metrics or self._logs or self._checkpoints or self._deleted or self._progress_dirty)
+        logs = self._logs or self._incoming
+        return bool(self._metrics or logs or self._checkpoints or self._deleted or self._progress_dirty)
 
     def flush(self) -> bool:
         """Write the pending batch and read the cancel flag; False (batch kept) if the database failed."""
         try:
             with self.sessions.begin() as session:
+                if not self.log_budget.known:
+                    self._start_log_budget(session)
                 repository.add_metrics(session, rows=self._metrics)
                 repository.add_log_lines(session, rows=self._logs)
                 for row in self._checkpoints:
@@ -179,6 +199,13 @@ class Reporter:
         self._metrics, self._logs, self._checkpoints, self._deleted = [], [], [], []
         self._progress_dirty = False
         return True
+
+    def _start_log_budget(self, session: Session) -> None:
+        # Read once an attempt: what earlier attempts (and this attempt's other nodes) stored.
+        job = repository.get(session, job_id=self.job_id)
+        nodes = int(job.spec.get("resources", {}).get("nodes", 1)) if job is not None else 1
+        self.log_budget.start(stored=repository.stored_log_bytes(session, job_id=self.job_id), nodes=nodes)
+        self._admit()
 
     def root_error(self) -> JobError | None:
         """The first error any rank reported (later ones are usually peers losing their connection)."""

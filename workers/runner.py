@@ -26,13 +26,12 @@ from api_schemas import JobError, JobSpec, JobStatus
 from service.config import Settings
 from service.db import session_factory
 from service.files import PRIVATE_UMASK
-from service.jobs import lifecycle
 from service.jobs import repository as jobs_repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
 from service.scheduling import repository as placement
 from workers import sandbox
-from workers.attempts import end_abnormally, record_outcome
+from workers.attempts import end_abnormally, note_unsandboxed, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import Rendezvous, torchrun_command
 from workers.node_run import Attempt, NodeRun, RunPaths
@@ -219,9 +218,12 @@ def _supervise(
             unsandboxed=sandbox.unavailable(settings.sandbox),
         )
     except SetupFailed as exc:
+        remove_scratch(paths.run_dir)
         return end_abnormally(sessions, att=att, error=exc.error)
     if setup.unsandboxed is not None:
-        _note_unsandboxed(sessions, run=run, settings=settings, why=setup.unsandboxed)
+        note_unsandboxed(
+            sessions, att=att, node=f"node {run.node_rank} ({settings.node})", why=setup.unsandboxed
+        )
     try:
         return _launch(sessions=sessions, settings=settings, run=run, paths=paths, setup=setup)
     finally:
@@ -378,18 +380,6 @@ def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None) -> st
     if watch.stalled():
         return "stall"
     return None
-
-
-def _note_unsandboxed(sessions: sessionmaker[Session], *, run: NodeRun, settings: Settings, why: str) -> None:
-    """Say in the job's timeline that this node ran its ranks without the sandbox, and why."""
-    note = f"node {run.node_rank} ({settings.node}): ranks not sandboxed ({why})"
-    try:
-        with sessions.begin() as session:
-            lifecycle.note_running(session, job_id=run.att.job_id, attempt=run.att.number, note=note)
-    except Exception:  # noqa: BLE001 - the run itself does not depend on the note
-        log.warning(
-            "job %s: noting the missing sandbox in its timeline failed", run.att.job_id, exc_info=True
-        )
 
 
 def _final_flush(reporter: Reporter, *, settings: Settings, job_id: str) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -52,9 +53,10 @@ NOT_ISOLATED = (
     "ranks are not sandboxed: they see the worker's files (DPTRAIN_HOME, its database and tokens, other "
     "jobs' folders) and processes, run as the worker's user, and what they start may outlive the job"
 )
-# Our packages, which ranks import (the engine, the SDK, the wire models). Bound by folder: in
-# development they are an editable install whose repository may hold the default DPTRAIN_HOME.
-PACKAGES = ("api_schemas", "dptrain", "dptrain_cli", "migrations", "service", "workers")
+# The distribution whose packages the ranks import (the engine, the SDK, the rank contract, the wire
+# models). Bound by folder: in development they are an editable install whose repository may hold
+# the default DPTRAIN_HOME.
+DISTRIBUTION = "dptrain"
 # The host's system, read-only. Links (merged /usr) are recreated as links, not bound.
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
 SANDBOX_TMP = "/tmp"
@@ -80,11 +82,20 @@ class Box:
 def python_paths() -> list[Path]:
     """The worker's Python environment: its prefixes, and our packages' folders outside them."""
     paths = [Path(sys.base_prefix), Path(sys.prefix), Path(os.path.realpath(sys.executable)).parent]
-    for name in PACKAGES:
+    for name in _our_packages():
         spec = importlib.util.find_spec(name)
         for location in (spec.submodule_search_locations or []) if spec else []:
             paths.append(Path(location))
     return _outermost(Path(os.path.realpath(p)) for p in paths)
+
+
+@functools.cache
+def _our_packages() -> list[str]:
+    """The top-level packages of our installed distribution (every one of them, new ones included)."""
+    tops = importlib.metadata.packages_distributions()
+    found = [top for top, dists in tops.items() if DISTRIBUTION in dists]
+    # Not installed (a checkout on PYTHONPATH): the packages beside this one.
+    return found or [p.name for p in Path(__file__).parents[1].iterdir() if (p / "__init__.py").is_file()]
 
 
 def _outermost(paths: Iterable[Path]) -> list[Path]:
@@ -256,6 +267,8 @@ def init_pid(proc: subprocess.Popen[bytes]) -> int | None:
 
 def signal_sandbox(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Send `sig` to torchrun's process group inside the sandbox (never its init or bwrap)."""
+    if proc.poll() is not None:
+        return  # bwrap has ended, so has its init, and with it every process of the sandbox
     pid = init_pid(proc)
     if pid is None:
         # Not started yet, or already ending: nothing inside to stop gracefully; bwrap takes it down.
@@ -266,6 +279,10 @@ def signal_sandbox(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 def kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the sandbox's init (the kernel then kills everything inside) and bwrap; wait for them."""
+    if proc.poll() is not None:
+        # bwrap exits after its init, and an init only once every process of its namespace is gone
+        # (and its pid may be another process's by now).
+        return
     init = init_pid(proc)
     if init is not None:
         _kill(init, signal.SIGKILL, group=False)

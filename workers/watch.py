@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dptrain._env import stop_file
+from rank_contract.env import stop_file
 
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
 # owns the job; stall: nobody is listening) signal at once.

@@ -18,11 +18,11 @@ def may_run_code(user: User) -> bool:
     return user.is_admin or user.can_run_code
 
 
-def refuse_unless_may_run_code(user: User) -> None:
-    """Forbidden, naming the grant command, for a user who may not run code."""
+def refuse_unless_may_run_code(user: User, *, doing: str = "run code") -> None:
+    """Forbidden, naming the grant command, for a user who may not run code (or do what `doing` says)."""
     if not may_run_code(user):
         raise Forbidden(
-            f"user {user.name} may not run code: an admin grants it with "
+            f"user {user.name} may not {doing}: an admin grants it with "
             f"`dptrain users grant {user.name} --can-run-code` (or PATCH /v1/users/{user.name}/permissions)"
         )
 

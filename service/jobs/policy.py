@@ -22,11 +22,13 @@ def runs_user_code(spec: JobSpec) -> bool:
 
 
 def check_user_code(session: Session, *, user: User, spec: JobSpec, settings: Settings) -> None:
-    """Refuse (403, or 422 naming the field) a spec whose code this server or this user may not run.
+    """Refuse (403, or 422 naming the field) a spec whose code or `env` this server or this user may not run.
 
     Marks a referred archive used, so retention keeps it; whatever passes here can be fetched by
     the workers (nothing accepted fails later for a reason the API could see).
     """
+    if spec.env:
+        check_env_grant(user)
     if not runs_user_code(spec):
         return
     mode = settings.user_code
@@ -47,6 +49,14 @@ def check_user_code(session: Session, *, user: User, spec: JobSpec, settings: Se
         if not stored or not code_repository.touch(session, sha256=sha, now=utcnow()):
             missing = f"no code archive {sha}; upload it first with PUT /v1/code/{sha}"
             raise invalid_field(("body", "code", "sha256"), missing, sha)
+
+
+def check_env_grant(user: User) -> None:
+    """Refuse (403, naming the grant) a job `env` from a user who may not run code."""
+    # A variable reaches every program a rank starts, the compilers torch runs for a recipe
+    # included, so setting any is running code: the same grant. Which names are refused is the
+    # spec's own rule (api_schemas/env.py), for everyone.
+    refuse_unless_may_run_code(user, doing="set `env` (the ranks' variables steer what they run)")
 
 
 def _check_allowed(entrypoint: str, settings: Settings) -> None:

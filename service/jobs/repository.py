@@ -10,8 +10,11 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    LargeBinary,
     and_,
+    cast,
     delete,
+    func,
     insert,
     or_,
     select,
@@ -250,6 +253,17 @@ def add_log_lines(session: Session, *, rows: list[dict[str, Any]]) -> None:
     """Insert log lines in one statement."""
     if rows:
         session.execute(insert(LogLine), rows)
+
+
+def stored_log_bytes(session: Session, *, job_id: str) -> int:
+    """The bytes (UTF-8) of every log line the job has stored, all attempts together."""
+    if is_postgresql(session):
+        size = func.octet_length(LogLine.line)
+    else:
+        # SQLite's length() counts characters; of a blob, bytes (a cast only relabels the UTF-8).
+        size = func.length(cast(LogLine.line, LargeBinary))
+    stmt = select(func.coalesce(func.sum(size), 0)).where(LogLine.job_id == job_id)
+    return int(session.execute(stmt).scalar_one())
 
 
 def upsert_checkpoint(session: Session, *, row: dict[str, Any]) -> None:

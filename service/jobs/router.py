@@ -7,7 +7,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Header, Query, Request, Response, status
+from fastapi import Depends, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BeforeValidator
@@ -36,6 +36,7 @@ from service.deps import (
 )
 from service.errors import (
     Conflict,
+    Forbidden,
     NotFound,
     PayloadTooLarge,
     error_responses,
@@ -47,6 +48,7 @@ from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
 from service.params import CheckpointId, Int32, Int64, JobId, Text
 from service.routing import v1_router
+from service.strict_json import parsed_body
 
 router = v1_router("jobs")
 _NOT_MODIFIED: dict[int | str, dict[str, object]] = {304: {"description": "Not modified (If-None-Match)"}}
@@ -55,11 +57,20 @@ _REPLAY: dict[int | str, dict[str, object]] = {
 }
 
 
+async def _env_grant(request: Request, user: CurrentUser) -> None:
+    # A dependency, so it runs before the body's own rules: a user who may not set `env` at all
+    # hears that (403), not which names the spec refuses. The policy checks the validated spec again.
+    body = parsed_body(request)
+    if isinstance(body, dict) and body.get("env"):
+        policy.check_env_grant(user)
+
+
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=Job,
-    responses=_REPLAY | error_responses(Conflict, PayloadTooLarge),
+    responses=_REPLAY | error_responses(Conflict, Forbidden, PayloadTooLarge),
+    dependencies=[Depends(_env_grant)],
 )
 async def submit_job(
     spec: JobSpec,

@@ -59,6 +59,8 @@ def _salvaged(stored: Any, exc: ValidationError, *, name: str) -> JobSpec:
 
 def _drop(value: Any, loc: tuple[int | str, ...]) -> None:
     """Delete the item at `loc` inside nested dicts and lists, if it is there."""
+    if loc[-1:] == ("[key]",):
+        loc = loc[:-1]  # a refused dict key (an `env` name): the item it names goes
     if not loc:
         return  # the spec as a whole: nothing to leave out
     *path, last = loc

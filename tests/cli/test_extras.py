@@ -21,7 +21,7 @@ SERVER_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "alembic", "celery", "torc
 def test_importing_the_server_and_users_commands_loads_no_server_package() -> None:
     probe = (
         "import json, sys\n"
-        "import dptrain_cli.server, dptrain_cli.users, dptrain_cli.supervise\n"
+        "import dptrain_server.commands, dptrain_server.users, dptrain_server.supervise\n"
         f"print(json.dumps(sorted(m for m in {SERVER_MODULES!r} if m in sys.modules)))\n"
     )
     out = subprocess.run(

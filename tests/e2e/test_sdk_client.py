@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,9 @@ def _source_tree(dest: Path) -> Path:
     dest.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, dest / name)
-    for package in ("api_schemas", "service", "workers", "dptrain", "dptrain_cli", "migrations"):
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
         shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 

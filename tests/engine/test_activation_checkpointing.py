@@ -29,7 +29,7 @@ from api_schemas.recipes import CnnBnParams, LstmLmParams, MlpParams
 from tests.conftest import job_spec
 from tests.engine.spawn import spawn_gloo
 from tests.engine_fixtures import Launches
-from workers.engine import distributed as D
+from workers.engine import distributed
 from workers.engine.batchnorm import convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.main import main
@@ -288,7 +288,7 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
         spec["engine"]["bucket_cap_mb"] = 0.01  # several buckets, so a grad is checked against its own
         torch.manual_seed(0)
         plan = mlp.build({"dataset_size": 64, "num_layers": NUM_LAYERS}, 0)
-        env = D.DistEnv(rank=rank, world_size=2, launched=True)
+        env = distributed.DistEnv(rank=rank, world_size=2, launched=True)
         cfg = JobSpec.model_validate(spec)
         # No events or checkpoints: only wrap() and forward/backward run here.
         trainer = Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))

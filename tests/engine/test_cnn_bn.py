@@ -21,9 +21,9 @@ from api_schemas import EngineOptions, JobSpec
 from api_schemas.recipes import CnnBnParams
 from tests.conftest import ENGINE_JOB, job_spec
 from tests.engine_fixtures import Launches
-from workers.engine import distributed as D
+from workers.engine import distributed
+from workers.engine.batch_sampler import GlobalBatchSampler
 from workers.engine.batchnorm import convert_sync_batchnorm
-from workers.engine.data import GlobalBatchSampler
 from workers.engine.recipes import cnn_bn
 from workers.engine.trainer import Trainer
 
@@ -123,7 +123,7 @@ def _model() -> nn.Module:
     return cnn_bn.build_model(CnnBnParams())
 
 
-def _trainer(env: D.DistEnv, **engine: Any) -> Trainer:
+def _trainer(env: distributed.DistEnv, **engine: Any) -> Trainer:
     spec = _spec(**engine)
     spec["hyperparameters"].update(global_batch_size=BATCH, dataset_size=64)
     torch.manual_seed(SEED)
@@ -149,7 +149,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         "buffers": {n: b.clone() for n, b in model.named_buffers()},
     }
     # One real engine step per buffer mode.
-    env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
+    env = distributed.DistEnv(rank=rank, world_size=WORLD, launched=True)
     for mode in ("average", "broadcast"):
         trainer = _trainer(env, buffers=mode)
         trainer.wrap()
@@ -196,7 +196,7 @@ def test_sync_batchnorm_on_half_batches_equals_batchnorm_on_the_whole(spawned: l
 
 def _shard_stats() -> list[dict[str, torch.Tensor]]:
     """Running stats a plain BatchNorm model reaches from one forward on each rank's half of batch 0."""
-    trainer = _trainer(D.DistEnv())
+    trainer = _trainer(distributed.DistEnv())
     idx = GlobalBatchSampler(len(trainer.dataset), BATCH, SEED).global_indices(0)
     x, _ = trainer.dataset.batch(idx, torch.device("cpu"))
     stats = []

@@ -15,9 +15,9 @@ from api_schemas import JobSpec
 from dptrain import BuildContext
 from dptrain.data import DataPathError, Shards, TokenFile, data_path
 from tests.engine_fixtures import EngineRun, Launches, train_in_process
-from workers.engine.datafiles import open_spec_data
 from workers.engine.recipes import RECIPES, plan_params
 from workers.engine.recipes.mlp import ShardPairs
+from workers.engine.spec_datasets import open_spec_data
 
 ALLOWED = {"DPTRAIN_ALLOWED_ENTRYPOINTS": "tests.fixtures"}
 SGD_TOLERANCE = 1e-6

@@ -14,8 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from api_schemas.recipes import MlpParams
+from workers.engine.batch_sampler import GlobalBatchSampler
 from workers.engine.config import configure
-from workers.engine.data import GlobalBatchSampler
 from workers.engine.events import (
     CheckpointEvent,
     ErrorEvent,

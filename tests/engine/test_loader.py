@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.engine_fixtures import EngineRun, Launches, assert_bitwise_equal, processes_mentioning
-from workers.engine.data import GlobalBatchSampler
-from workers.engine.loader import Batches, fixed_batch_sampler, loader_options, map_loader
-from workers.engine.streams import StreamBatch
+from workers.engine.batch_loader import Batches, fixed_batch_sampler, loader_options, map_loader
+from workers.engine.batch_sampler import GlobalBatchSampler
+from workers.engine.stream_batches import StreamBatch
 
 ALLOWED = {"DPTRAIN_ALLOWED_ENTRYPOINTS": "tests.fixtures"}
 WORKERS = {"num_workers": 2, "prefetch_factor": 3}

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from api_schemas import EngineOptions, JobSpec
 from tests.engine_fixtures import Launches
-from workers.engine import distributed as D
+from workers.engine import distributed
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.local_sgd import averages_after
 from workers.engine.recipes import mlp
@@ -124,7 +124,7 @@ def test_schedule_is_every_period_after_the_warmup() -> None:
     assert got == [1, 2, 3, 4], f"expected averaging after every step for period 1, got {got}"
 
 
-def _trainer(env: D.DistEnv, **engine: Any) -> Trainer:
+def _trainer(env: distributed.DistEnv, **engine: Any) -> Trainer:
     spec = {
         "name": "local-sgd",
         "recipe": "mlp",
@@ -142,7 +142,7 @@ SPAWN_CASES = {"accum1": 1, "accum2": 2}
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
+    env = distributed.DistEnv(rank=rank, world_size=WORLD, launched=True)
     results: dict[str, list[list[torch.Tensor]]] = {}
     for case, accum in SPAWN_CASES.items():
         trainer = _trainer(

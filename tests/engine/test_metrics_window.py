@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from api_schemas import JobSpec
 from tests.engine.spawn import spawn_gloo
-from workers.engine import distributed as D
+from workers.engine import distributed
 from workers.engine import metrics_window as mw
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.events import EventWriter, MetricsEvent, StartedEvent, parse_event
@@ -72,7 +72,7 @@ def _run(
     """Drive a world-1 window as Trainer.train() does; (flush steps, metrics events)."""
     events = EventWriter(tmp_path / "rank0.jsonl", 0)
     w = MetricsWindow(
-        env=D.DistEnv(),
+        env=distributed.DistEnv(),
         device=torch.device("cpu"),
         events=events,
         global_batch_size=32,
@@ -230,7 +230,7 @@ def _trainer_worker(rank: int, world: int, out_dir: str) -> None:
     out = Path(out_dir)
     events = EventWriter(out / f"rank{rank}.jsonl", rank)
     ckpt = CheckpointManager(out / "ckpt", 2, rank == 0, SAVE_EVERY)
-    env = D.DistEnv(rank=rank, world_size=world, launched=True)
+    env = distributed.DistEnv(rank=rank, world_size=world, launched=True)
     # Rank 0 alone sleeps, so the ranks' clocks differ: the windows must still agree.
     fault = Fault(action="sleep", rank=0, ms=40)
     Trainer(cfg, plan, env, torch.device("cpu"), events, ckpt, fault=fault, backend="gloo").train()

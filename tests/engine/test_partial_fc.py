@@ -22,7 +22,7 @@ from tests.engine.spawn import spawn_gloo
 from tests.engine_fixtures import Launches
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
 from workers.engine.recipes import partial_fc
-from workers.engine.sharding import shard_range
+from workers.engine.sharded_params import shard_range
 
 TOLERANCE = 1e-6
 STEPS = 8

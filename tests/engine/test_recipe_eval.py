@@ -30,7 +30,7 @@ from api_schemas.recipes import (
 from dptrain import Plan
 from tests.engine.eval_reference import eval_batches, reference_eval
 from tests.engine.spawn import spawn_gloo
-from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes import RECIPES, cnn_bn, lstm_lm, mlp, partial_fc, sparse_embedding
 from workers.engine.recipes.eval_split import argmax_accuracy
 

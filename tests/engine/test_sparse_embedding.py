@@ -22,9 +22,9 @@ from api_schemas import JobSpec
 from api_schemas.recipes import SparseEmbeddingParams
 from tests.conftest import ENGINE_JOB, job_spec
 from tests.engine_fixtures import Launches
-from workers.engine import distributed as D
+from workers.engine import distributed
+from workers.engine.batch_sampler import GlobalBatchSampler, TensorDataset
 from workers.engine.clipping import clip_grad_norm_
-from workers.engine.data import GlobalBatchSampler, TensorDataset
 from workers.engine.recipes import Plan, sparse_embedding
 from workers.engine.sparse import allgather_average, dense_average
 from workers.engine.trainer import Trainer
@@ -187,7 +187,7 @@ def _cfg(recipe: bool, **engine: Any) -> JobSpec:
     return JobSpec.model_validate(spec)
 
 
-def _recipe_trainer(env: D.DistEnv, **engine: Any) -> Trainer:
+def _recipe_trainer(env: distributed.DistEnv, **engine: Any) -> Trainer:
     torch.manual_seed(SEED)
     plan = sparse_embedding.build({"dataset_size": 64}, SEED)
     return Trainer(_cfg(True, **engine), plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
@@ -209,7 +209,7 @@ def _step_capturing_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
     results: dict[str, Any] = {"hand_made": _hand_made_grads(rank)}
-    env = D.DistEnv(rank=rank, world_size=WORLD, launched=True)
+    env = distributed.DistEnv(rank=rank, world_size=WORLD, launched=True)
     for mode in ("allgather", "dense"):
         trainer = _recipe_trainer(env, sparse=mode, grad_clip_norm=None)
         if rank == 1:
@@ -264,7 +264,7 @@ def test_sync_averages_rows_only_some_ranks_touched(spawned: list[dict[str, Any]
 def test_a_trainer_step_gives_every_rank_the_full_batch_gradient(
     spawned: list[dict[str, Any]], mode: str
 ) -> None:
-    trainer = _recipe_trainer(D.DistEnv())
+    trainer = _recipe_trainer(distributed.DistEnv())
     idx = GlobalBatchSampler(len(trainer.dataset), BATCH, SEED).global_indices(0)
     x, y = trainer.dataset.batch(idx, torch.device("cpu"))
     nn.functional.cross_entropy(trainer.model(x), y).backward()
@@ -321,7 +321,7 @@ def test_non_data_parallel_parameter_keeps_each_rank_own_gradient(spawned: list[
 
 def test_clipping_is_refused_with_non_data_parallel_parameters() -> None:
     # Checked in wrap() before DDP or any collective, so no process group is needed.
-    env = D.DistEnv(rank=0, world_size=WORLD)
+    env = distributed.DistEnv(rank=0, world_size=WORLD)
     trainer = Trainer(_cfg(False), _non_dp_plan(), env, torch.device("cpu"), cast(Any, None), cast(Any, None))
     with pytest.raises(ValueError, match=r"grad_clip_norm cannot be combined .*\(scale\)"):
         trainer.wrap()

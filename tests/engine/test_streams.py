@@ -14,9 +14,9 @@ import torch
 from dptrain.data import Stream
 from tests.engine_fixtures import EngineRun, Launches, assert_bitwise_equal
 from tests.fixtures.data_plans import read_shard, shard_length, to_pair
+from workers.engine.batch_loader import LoadFailure, load_failure
 from workers.engine.checkpoint import CheckpointManager, checkpoint_name
-from workers.engine.loader import LoadFailure, load_failure
-from workers.engine.streams import StreamBatch, StreamBatches, StreamPosition, samples, shard_order
+from workers.engine.stream_batches import StreamBatch, StreamBatches, StreamPosition, samples, shard_order
 
 ALLOWED = {"DPTRAIN_ALLOWED_ENTRYPOINTS": "tests.fixtures"}
 SEED = 1234  # the engine tests' seed (tests/conftest.py ENGINE_JOB)

@@ -11,9 +11,9 @@ import torch
 
 from tests.engine_fixtures import EngineRun, Launches
 from tests.fixtures import plans
+from workers.engine.batch_sampler import batch_source
 from workers.engine.checkpoint import checkpoint_files, read_best_step
 from workers.engine.conventions import loss_and_outputs
-from workers.engine.data import batch_source
 from workers.engine.distributed import DistEnv
 from workers.engine.evaluation import Evaluator
 

@@ -56,8 +56,8 @@ def test_pinned_batches_reach_the_gpu_from_loader_processes(
 
 def test_the_loader_pins_host_batches_and_copies_them_without_blocking() -> None:
     from api_schemas.data import DataSpec
-    from workers.engine.data import GlobalBatchSampler, TensorDataset
-    from workers.engine.loader import Batches, loader_options, map_loader, step_batch_sampler
+    from workers.engine.batch_loader import Batches, loader_options, map_loader, step_batch_sampler
+    from workers.engine.batch_sampler import GlobalBatchSampler, TensorDataset
 
     data = TensorDataset(inputs=torch.randn(64, 8), targets=torch.arange(64))
     device = torch.device("cuda", 0)

@@ -37,6 +37,8 @@ class TestShownThroughTheApi:
             ({"resources": {"nodes": "two"}}, "resources.nodes"),
             ({"added_in_a_later_version": True}, "added_in_a_later_version"),
             ({"labels": {"team": ["a", "list"]}}, "labels.team"),
+            # A variable name refused since (issue 30): the key's error, the rest of the spec shown.
+            ({"env": {"CXX": "/bin/bash", "MY_FLAG": "1"}}, "env.CXX.[key]"),
         ],
     )
     def test_listed_shown_and_cancelled_with_the_reason(

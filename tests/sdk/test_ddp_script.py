@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain._env import sdk_env, stop_file
+from rank_contract.env import sdk_env, stop_file
 from workers.engine.checkpoint import checkpoint_files
 from workers.engine.events import CheckpointEvent, ErrorEvent, MetricsEvent, events_path, parse_event
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dptrain
-from dptrain._env import RUN_DIR_ENV, sdk_env, stop_file
+from rank_contract.env import RUN_DIR_ENV, sdk_env, stop_file
 from workers.engine.checkpoint import CheckpointManager, checkpoint_files, sha256_file
 from workers.engine.events import CheckpointEvent, Event, MetricsEvent, events_path, parse_event
 

@@ -32,8 +32,10 @@ def _settings(database_url: str, root: Path) -> Settings:
         database_url=database_url,
         broker_url="memory://",
         artifact_root=root,
-        # Hundreds of requests with one token: the rate limit has tests of its own.
+        # Hundreds of requests with one token, and a wrong one for every operation from one address:
+        # the rate limits have tests of their own (test_limits.py, test_invalid_tokens.py).
         rate_limit_per_second=0,
+        auth_failures_per_second=0,
     )
 
 

@@ -19,7 +19,7 @@ def cli_env(pg_url: str, monkeypatch: pytest.MonkeyPatch, sessions: sessionmaker
     # The CLI opens its own sessions; point them at the test's rolled-back transaction.
     monkeypatch.setenv("DPTRAIN_DATABASE_URL", pg_url)
     get_settings.cache_clear()
-    monkeypatch.setattr("dptrain_cli.users.session_factory", lambda _settings: sessions)
+    monkeypatch.setattr("dptrain_server.users.session_factory", lambda _settings: sessions)
     yield
     get_settings.cache_clear()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dptrain._env import SUPERVISOR_ENV
+from rank_contract.env import SUPERVISOR_ENV
 from workers.engine.events import ErrorEvent, events_path, parse_event
 from workers.engine.launch import supervisor_id
 from workers.procs import rank_processes, sweep_ranks

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from api_schemas import JobSpec
-from dptrain._env import DATA_ROOT_ENV
+from rank_contract.env import DATA_ROOT_ENV
 from service.config import Settings
 from workers.rank_setup import RankSetup, prepare
 

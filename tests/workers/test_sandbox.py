@@ -20,7 +20,8 @@ from service.config import Settings
 from service.jobs import service
 from service.models import LogLine
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.workers.runs import node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
+from tests.conftest import job_spec
+from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
 from workers import sandbox
 
 pytestmark = pytest.mark.e2e
@@ -128,6 +129,21 @@ def test_a_cancel_still_reaches_the_program_inside_with_sigterm_first(
     thread.join(timeout=settings.cancel_grace_seconds * 3 + 60)
     assert out == [JobStatus.CANCELLED], out
     assert "got TERM" in _lines(sessions, job_id), _lines(sessions, job_id)
+
+
+def test_torch_compile_builds_and_caches_inside(settings: Settings, sessions: sessionmaker[Session]) -> None:
+    # Inductor runs the system's C++ compiler on the worker's Python headers and writes its caches
+    # under TMPDIR and HOME: the sandbox shows the first two read-only, and /tmp and HOME writable.
+    spec = job_spec(
+        name="compiled",
+        hyperparameters={"global_batch_size": 8, "steps": 3, "hidden_size": 8},
+        engine={"compile": True},
+    )
+    job_id = submit_as_admin(sessions, spec)
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED, job_row(
+        sessions, job_id
+    ).error
+    assert job_row(sessions, job_id).step == 3
 
 
 def test_sandbox_off_runs_unsandboxed_and_the_timeline_says_so(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dptrain.plan import BuildContext, OptimizerFactory, Plan
+from rank_contract.plan import BuildContext, OptimizerFactory, Plan
 
 
 def _positional(fn: Callable[..., Any]) -> tuple[list[inspect.Parameter], bool]:

@@ -24,12 +24,18 @@ import torch.distributed as dist
 from torch import nn
 
 from api_schemas import EVAL_METRIC_PATTERN, JobSpec
-from dptrain.data import Stream
-from dptrain.plan import Plan
-from workers.engine import distributed as D
+from rank_contract.data import Stream
+from rank_contract.plan import Plan
+from workers.engine import distributed
+from workers.engine.batch_loader import (
+    Batches,
+    fixed_batch_sampler,
+    loader_options,
+    map_loader,
+    shutdown_workers,
+)
+from workers.engine.batch_sampler import batch_source
 from workers.engine.conventions import batch_size, check_loss, loss_and_outputs
-from workers.engine.data import batch_source
-from workers.engine.loader import Batches, fixed_batch_sampler, loader_options, map_loader, shutdown_workers
 
 LOSS = "eval/loss"
 
@@ -42,7 +48,7 @@ class Evaluator:
         *,
         plan: Plan,
         dataset: Any,
-        env: D.DistEnv,
+        env: distributed.DistEnv,
         device: torch.device,
         batch_size: int,
         max_batches: int | None,
@@ -145,7 +151,7 @@ class Evaluator:
 
     def _reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(totals)
-        if D.active(self.env):
+        if distributed.active(self.env):
             # Rank 0 always has batch 0, so it knows every metric name the plan reports; a rank without
             # batches knows none. Its list orders the one allreduce; a rank that saw a name rank 0 did not
             # counts itself in slot 0, so every rank raises together instead of hanging in a collective.
@@ -158,7 +164,7 @@ class Evaluator:
             [torch.tensor([float(bool(unknown))], dtype=torch.float64, device=self.device)]
             + [totals.get(n, zero) for n in names]
         )
-        if D.active(self.env):
+        if distributed.active(self.env):
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
         values = vec.tolist()
         if values[0]:
@@ -174,7 +180,7 @@ def evaluator_for(
     *,
     spec: JobSpec,
     plan: Plan,
-    env: D.DistEnv,
+    env: distributed.DistEnv,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
 ) -> Evaluator | None:

@@ -99,6 +99,11 @@ def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
 def describe(exc: BaseException) -> tuple[str, str]:
     """(type, message) for a rank's error, naming what a user can act on where we can tell."""
     text = str(exc)
+    # An error raised on behalf of another process (loader_faults.LoaderProcessError) reports that
+    # process's exception type: what the user's code raised, and what NOT_RETRIED judges.
+    reported = getattr(exc, "reported_type", None)
+    if isinstance(reported, str) and reported:
+        return reported, text
     # Gloo and NCCL report a peer that never joined a collective as a bare "Timed out ..." error.
     if isinstance(exc, RuntimeError) and ("Timed out" in text or "Watchdog caught collective" in text):
         return (

@@ -9,12 +9,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# "pid:start time" of the process supervising the ranks (the worker's runner). Each rank exits when
-# it is gone: ranks of a SIGKILLed worker must not train on, writing checkpoints beside the next
-# attempt's, and torchrun runs in a session of its own, so the worker's death does not reach them.
-SUPERVISOR_ENV = "DPTRAIN_SUPERVISOR"
-# The unpacked code tree of a job with uploaded code: an entrypoint's module must come from there.
-CODE_DIR_ENV = "DPTRAIN_CODE_DIR"
 # The rank entry point, by absolute path: torchrun's --run-path wants a file, not a module name.
 ENGINE_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "main.py")
 
@@ -31,7 +25,7 @@ def _start_time(pid: int) -> str | None:
 
 
 def supervisor_id(pid: int | None = None) -> str:
-    """The value of SUPERVISOR_ENV for this process (start time guards against pid reuse)."""
+    """The value of SUPERVISOR_ENV (rank_contract.env) for this process; its start time guards pid reuse."""
     pid = pid or os.getpid()
     return f"{pid}:{_start_time(pid)}"
 

@@ -21,8 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from rank_contract.env import SUPERVISOR_ENV
 from workers.engine.events import EventWriter, events_path
-from workers.engine.launch import SUPERVISOR_ENV, watch_supervisor
+from workers.engine.launch import watch_supervisor
+from workers.engine.loader_faults import loader_failure
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -69,17 +71,17 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     """Build everything from the spec and train; raises on any failure."""
     import torch
 
-    from dptrain.plan import BuildContext
-    from workers.engine import distributed as D
+    from rank_contract.plan import BuildContext
+    from workers.engine import distributed
     from workers.engine.checkpoint import CheckpointManager
     from workers.engine.config import configure
     from workers.engine.conventions import build_plan
-    from workers.engine.datafiles import open_spec_data
     from workers.engine.faults import fault_from_env
     from workers.engine.recipes import builder_of, plan_params
+    from workers.engine.spec_datasets import open_spec_data
     from workers.engine.trainer import Trainer
 
-    env = D.DistEnv.from_environ()
+    env = distributed.DistEnv.from_environ()
     if threads := os.environ.get("OMP_NUM_THREADS"):
         # A rank forked from the warm agent inherits the OpenMP pool size read when the agent loaded
         # torch, before torchrun set OMP_NUM_THREADS=1 for ranks sharing a host; a fresh interpreter
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     if spec.world_size != env.world_size:
         # Not fatal: the math is world-size independent, and elastic resume will rely on exactly that.
         print(f"warning: spec asks for {spec.world_size} ranks, running {env.world_size}")
-    device = D.setup_device(env, spec.resources.device)
+    device = distributed.setup_device(env, spec.resources.device)
     if spec.engine.compile:
         from workers.engine.compile import check_compile
 
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
             device=device,
             world_size=env.world_size,
         )
-    backend = D.init(env, spec.resources.device, spec.engine.collective_timeout_seconds)
+    backend = distributed.init(env, spec.resources.device, spec.engine.collective_timeout_seconds)
     try:
         print(
             f"job {args.job_id}: rank {env.rank}/{env.world_size} on {device} backend={backend} "
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         Trainer(spec, plan, env, device, events, checkpoints, fault=fault, backend=backend).train()
         print(f"job {args.job_id}: rank {env.rank} done")
     finally:
-        D.destroy()
+        distributed.destroy()
 
 
 def default_signals() -> None:
@@ -173,16 +175,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     # First thing: everything this rank prints (Python, C++, NCCL) lands in its own log file.
     restore = redirect_output(args.run_dir / "logs" / f"rank{rank}.log")
     events = EventWriter(events_path(args.run_dir, rank), rank)
-    # Die with the worker that launched us (see launch.SUPERVISOR_ENV).
+    # Die with the worker that launched us (see rank_contract.env.SUPERVISOR_ENV).
     watch_supervisor(os.environ.get(SUPERVISOR_ENV))
     try:
         run(args, events)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
+        # torch's SIGCHLD handler raises a dead loader process's error wherever the rank happens to
+        # be (in a step, a checkpoint), not only where it waits for a batch: typed here as well.
+        if (typed := loader_failure(exc, rank=rank)) is not None:
+            typed.__cause__ = exc
+            exc = typed.with_traceback(exc.__traceback__)
         events.error(exc)
         if not launched:
-            raise
+            raise exc
         exit_failed_rank(exc, events)
     finally:
         events.close()
@@ -202,7 +209,7 @@ def exit_failed_rank(exc: BaseException, events: EventWriter) -> NoReturn:
     """
     code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
     if not isinstance(exc, SystemExit):
-        traceback.print_exc()
+        traceback.print_exception(exc)  # a loader failure typed above, with what torch raised as its cause
     events.close()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workers.engine import distributed as D
+from workers.engine import distributed
 from workers.engine.events import EventWriter, MetricsEvent
 
 # A window closes once it spans about TARGET_SECONDS of training: a user (and the job-start
@@ -54,7 +54,7 @@ class MetricsWindow:
     def __init__(
         self,
         *,
-        env: D.DistEnv,
+        env: distributed.DistEnv,
         device: torch.device,
         events: EventWriter,
         global_batch_size: int,
@@ -127,7 +127,7 @@ class MetricsWindow:
         waits = torch.tensor([p.data_wait for p in held], dtype=torch.float32, device=self.device)
         vec = torch.cat([torch.stack([p.loss for p in held]), waits, clock.reshape(1)])
         losses, waited = vec[:n], vec[n : 2 * n]
-        if D.active(self.env):
+        if distributed.active(self.env):
             # Sum then divide, in float32, as a per-step allreduce of each loss would. At world 2 each
             # element is bitwise that result (a + b is commutative); past 2 ranks a ring allreduce may
             # add an element's terms in another order than for a lone scalar (last-bit differences).

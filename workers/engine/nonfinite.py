@@ -24,13 +24,15 @@ import math
 import torch
 import torch.distributed as dist
 
-from workers.engine import distributed as D
+from workers.engine import distributed
 
 
 class NonFiniteGuard:
     """Decides, per step, whether the optimizer may step, and reports bad steps at `check()`."""
 
-    def __init__(self, *, optimizer: torch.optim.Optimizer, env: D.DistEnv, device: torch.device) -> None:
+    def __init__(
+        self, *, optimizer: torch.optim.Optimizer, env: distributed.DistEnv, device: torch.device
+    ) -> None:
         self.optimizer, self.env, self.device = optimizer, env, device
         # torch's contract with GradScaler: such an optimizer reads `found_inf` and skips on the device.
         # Only worth it on CUDA: on CPU reading the flag costs nothing, the host path is simpler.
@@ -103,7 +105,7 @@ class NonFiniteGuard:
         mine = [min((s for s in pair if s), default=0) for pair in marks]
         slots = torch.zeros((self.env.world_size, 2), dtype=torch.int64, device=self.device)
         slots[self.env.rank] = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        if D.active(self.env):
+        if distributed.active(self.env):
             dist.all_reduce(slots, op=dist.ReduceOp.SUM)
         rows = slots.tolist()
         steps = [s for row in rows for s in row if s]

@@ -10,23 +10,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from api_schemas import JobSpec
-from workers.engine import distributed as D
+from workers.engine import distributed
+from workers.engine.batch_loader import Batches
 from workers.engine.batchnorm import average_buffers, convert_sync_batchnorm
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.clipping import clip_grad_norm_
 from workers.engine.compile import compile_model
 from workers.engine.conventions import check_loss, loss_and_outputs, make_optimizer, split_batch
-from workers.engine.datapipe import DataPipe
 from workers.engine.evaluation import evaluator_for
 from workers.engine.events import EventWriter, FinishedEvent, MetricsEvent, StartedEvent
 from workers.engine.faults import Fault
-from workers.engine.loader import Batches
+from workers.engine.input_pipeline import InputPipeline
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
 from workers.engine.metrics_window import MetricsWindow
 from workers.engine.nonfinite import NonFiniteGuard
 from workers.engine.recipes import Plan
-from workers.engine.sharding import gather_state, optimizer_param_names, slice_state
+from workers.engine.sharded_params import gather_state, optimizer_param_names, slice_state
 from workers.engine.sparse import (
     SparseGradSync,
     ddp_ignore_names,
@@ -44,7 +44,7 @@ class Trainer:
         self,
         spec: JobSpec,
         plan: Plan,
-        env: D.DistEnv,
+        env: distributed.DistEnv,
         device: torch.device,
         events: EventWriter,
         checkpoints: CheckpointManager,
@@ -57,7 +57,7 @@ class Trainer:
         self.plan = plan
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
         # How every rank reads its batches (a sampler over a map-style dataset, or a stream).
-        self.data = DataPipe(spec=spec, plan=plan, env=env, device=device)
+        self.data = InputPipeline(spec=spec, plan=plan, env=env, device=device)
         # A map-style dataset as `batch(indices, device)` and its sampler, for stepping without a loader.
         self.dataset, self.sampler = self.data.dataset, self.data.sampler
         self.sharded = list(plan.sharded)
@@ -155,7 +155,7 @@ class Trainer:
         # Rank 0 alone picks the step (with fallback past corrupt files) so ranks can never disagree on
         # which file they restored; the others then read exactly that one.
         loaded = self.checkpoints.load() if self.env.is_main else None
-        step = D.broadcast_int(self.env, loaded.step if loaded else -1, self.device)
+        step = distributed.broadcast_int(self.env, loaded.step if loaded else -1, self.device)
         if step < 0:
             return None
         if loaded is None:
@@ -302,7 +302,7 @@ class Trainer:
         self.resume()
         self.wrap()
         # Like Caffe2's FinalizeAfterCheckpoint: params came from rank 0 via DDP; ITER comes from rank 0 too.
-        self.iter = D.broadcast_int(self.env, self.iter, self.device)
+        self.iter = distributed.broadcast_int(self.env, self.iter, self.device)
         total = self.spec.hyperparameters.steps
         main = self.env.is_main
         if main:
@@ -333,7 +333,7 @@ class Trainer:
             if self.evaluator is not None:
                 self.evaluator.close()
         # No rank reports success before every rank has finished its last step.
-        D.barrier(self.env)
+        distributed.barrier(self.env)
         if main:
             self.events.emit(FinishedEvent(step=self.iter))
 

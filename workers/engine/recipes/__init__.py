@@ -5,14 +5,15 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from api_schemas import JobSpec, entrypoint_allowed
-from workers.engine.launch import CODE_DIR_ENV
+from rank_contract.env import ALLOWED_ENTRYPOINTS_ENV, CODE_DIR_ENV
+from rank_contract.plan import Plan
 from workers.engine.recipes import cnn_bn, gpt, lstm_lm, mlp, partial_fc, sparse_embedding
-from workers.engine.recipes.plan import Plan
 
 RecipeBuilder = Callable[[Mapping[str, Any], int], Plan]
 
@@ -31,8 +32,6 @@ SPEC_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {"gpt": gpt.SPEC_HYPERPARAMET
 
 __all__ = ["RECIPES", "Plan", "RecipeBuilder", "builder_of", "load_entrypoint", "plan_params"]
 
-ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
-
 
 def load_entrypoint(
     entrypoint: str, allowed: str | None = None, code_dir: str | None = None
@@ -49,6 +48,9 @@ def load_entrypoint(
     tree = code_dir if code_dir is not None else os.environ.get(CODE_DIR_ENV, "")
     module_name, _, func_name = entrypoint.partition(":")
     if tree:
+        # The ranks start in the attempt's writable copy of the tree, which `python -m` puts first on
+        # sys.path: import from the tree itself, as uploaded (it is on PYTHONPATH, but after that).
+        sys.path[:] = [tree, *(p for p in sys.path if p != tree)]
         module = importlib.import_module(module_name)
         where = getattr(module, "__file__", None)
         if where is None or not Path(where).resolve().is_relative_to(Path(tree).resolve()):

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.engine.data import mix_seed
-from workers.engine.recipes.plan import EvalFigures, Plan
+from rank_contract.plan import EvalFigures, Plan
+from workers.engine.batch_sampler import mix_seed
 
 # Added to a recipe's data stream id to seed its eval split: a generator of its own, so drawing the
 # eval samples never moves the training stream (a seed gives the same training data whatever

@@ -33,8 +33,8 @@ from torch.nn import functional as F
 
 from api_schemas.jobs import Hyperparameters
 from api_schemas.recipes import GptParams
-from workers.engine.data import TensorDataset, mix_seed
-from workers.engine.recipes.plan import BuildContext, EvalFigures, OptimizerFactory, Plan
+from rank_contract.plan import BuildContext, EvalFigures, OptimizerFactory, Plan
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 
 # Stream ids of this recipe's generators: distinct from the other recipes' (7, 11-13, 15, 16, 1<<40)
 # and the sampler's (1<<32 + epoch), so no two ever draw the same sequence.

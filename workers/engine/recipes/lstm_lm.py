@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from api_schemas.recipes import LstmLmParams
-from workers.engine.data import TensorDataset, mix_seed
+from rank_contract.plan import Plan
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import argmax_accuracy, eval_generator
-from workers.engine.recipes.plan import Plan
 
-# Stream id for the dataset generator, distinct from mlp's (7) and from the sampler's streams (data.py).
+# Stream id for the dataset generator, distinct from mlp's (7) and the sampler's streams (batch_sampler.py).
 _DATA_STREAM = 12
 
 

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from api_schemas.recipes import MlpParams
-from workers.engine.data import TensorDataset, mix_seed
+from rank_contract.plan import BuildContext, Plan
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import classifier_plan, eval_generator
-from workers.engine.recipes.plan import BuildContext, Plan
 
-# Stream id for the dataset generator, distinct from the sampler's streams (see data.py).
+# Stream id for the dataset generator, distinct from the sampler's streams (see batch_sampler.py).
 _DATA_STREAM = 7
 
 

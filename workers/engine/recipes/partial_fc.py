@@ -24,13 +24,13 @@ from torch import nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from api_schemas.recipes import PartialFcParams
+from rank_contract.plan import EvalFigures, Plan
 from workers.engine import collectives
-from workers.engine.data import TensorDataset, mix_seed
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import eval_generator
-from workers.engine.recipes.plan import EvalFigures, Plan
-from workers.engine.sharding import rank_and_world, shard_range
+from workers.engine.sharded_params import rank_and_world, shard_range
 
-# Generator streams, distinct from the other recipes' and the sampler's (see data.py).
+# Generator streams, distinct from the other recipes' and the sampler's (see batch_sampler.py).
 _DATA_STREAM = 15
 _WEIGHT_STREAM = 16
 _SAMPLE_STREAM = 1 << 40

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from api_schemas.recipes import SparseEmbeddingParams
-from workers.engine.data import TensorDataset, mix_seed
+from rank_contract.plan import Plan
+from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes.eval_split import classifier_plan, eval_generator
-from workers.engine.recipes.plan import Plan
 
-# Stream id for the dataset generator, distinct from the other recipes' and the sampler's (data.py).
+# Stream id for the dataset generator, distinct from the other recipes' and the sampler's (batch_sampler.py).
 _DATA_STREAM = 13
 
 # Zipf exponent of the id distribution: P(rank k) ~ 1 / k**s. Fixed, so the extras stay integers.

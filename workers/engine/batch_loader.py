@@ -24,9 +24,10 @@ import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
 from api_schemas.data import DataSpec
+from workers.engine.batch_sampler import GlobalBatchSampler
 from workers.engine.conventions import to_device
-from workers.engine.data import GlobalBatchSampler
-from workers.engine.streams import StreamBatch, StreamBatches
+from workers.engine.loader_faults import LoaderWatch, failed_loader
+from workers.engine.stream_batches import StreamBatch, StreamBatches
 
 CPU = torch.device("cpu")
 
@@ -148,6 +149,10 @@ def loader_options(
         if data.prefetch_factor is not None:
             opts["prefetch_factor"] = data.prefetch_factor
         opts["persistent_workers"] = persistent and data.persistent_workers
+        # A loader process that dies or cannot send its batch fails the rank at once (loader_faults);
+        # the timeout bounds the wait for one that lives on but sends nothing.
+        opts["worker_init_fn"] = LoaderWatch()
+        opts["timeout"] = float(data.loader_timeout_seconds)
     return opts
 
 
@@ -210,7 +215,16 @@ class Batches:
     def _fetch(self) -> tuple[Any, dict[str, int] | None]:
         assert self._it is not None, "the loader is closed"
         start = time.perf_counter()
-        item = next(self._it)
+        try:
+            item = next(self._it)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            during = f"waiting for the batch of {self.label} {self.step}"
+            failure = failed_loader(exc, self.loader, self._it, rank=self.rank, during=during)
+            if failure is None:
+                raise
+            raise failure from exc
         self.waited += time.perf_counter() - start
         if isinstance(item, LoadFailure):
             what = f"{item.where} for {self.label} {self.step}"

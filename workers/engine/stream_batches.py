@@ -1,4 +1,4 @@
-"""A `dptrain.data.Stream` read in one global order, cut into the engine's global batches.
+"""A Stream's batches (`dptrain.data.Stream`): read in one global order, cut into the engine's global batches.
 
 The order is a function of the seed alone: epoch e reads the shards in a permutation drawn from
 (seed, e) (or as given, without `shuffle`), each shard's samples in the reader's order. Global batch
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dptrain.data import Stream
-from workers.engine.data import mix_seed
+from rank_contract.data import Stream
+from workers.engine.batch_sampler import mix_seed
 
 # Stream id of the shard-order generators: apart from the sampler's (1<<32 + epoch) and the recipes'.
 _SHARD_ORDER_STREAM = 1 << 36
@@ -116,7 +116,7 @@ class StreamBatches(IterableDataset):  # type: ignore[type-arg]
 
     Loader process k of n produces the batches it with (it - first) % n == k; torch's DataLoader
     returns its processes' outputs round robin, so they arrive in ITER order. A failure is yielded,
-    not raised (see loader.LoadFailure), so the rank can name the sample.
+    not raised (see batch_loader.LoadFailure), so the rank can name the sample.
     """
 
     def __init__(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from api_schemas import WorkerList
 from service.deps import CurrentUser, SessionDep, SettingsDep
+from service.nodes import service
 from service.routing import v1_router
-from service.workers import service
 
 router = v1_router("workers")
 

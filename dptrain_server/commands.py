@@ -1,8 +1,8 @@
-"""Server-side commands: api, worker, migrate, and the embedded `up`.
+"""Server-side commands: api, worker, migrate, the embedded `up`, and the `users` group.
 
-Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch) itself, so that the
-client commands, which share this `dptrain` program, start without them and run without them
-installed (dptrain_cli/extras.py).
+Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch) itself: `dptrain
+--help` lists these commands from this module, and on a client-only install it must still work, and
+a command run there must name the extra to install (dptrain_cli/extras.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rich.console import Console
 
 from dptrain.settings import DEFAULT_HOME, HOME_ENV, TOKEN_FILE
 from dptrain_cli.extras import installed, require
+from dptrain_server import users
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -144,7 +145,7 @@ def up(
 ) -> None:
     """Embedded default: API and one worker, SQLite and a serverless queue under DPTRAIN_HOME."""
     with require("all"):
-        from dptrain_cli.supervise import API_STOP_SECONDS, WORKER_STOP_SECONDS, Supervisor
+        from dptrain_server.supervise import API_STOP_SECONDS, WORKER_STOP_SECONDS, Supervisor
         from service.config import get_settings
         from service.files import private_umask, write_private
 
@@ -172,7 +173,8 @@ def up(
     # Ranks beyond the cores share them; the worker gives them one thread each (workers/rank_setup.py).
     env = dict(os.environ)
     worker_args = ["worker", "--device", "cpu", "--slots", str(slots), "--embedded"]
-    supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS)
+    # A worker that dies is started again (its runs are requeued); the API serves on meanwhile.
+    supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS, restart=True)
     api_args = ["api", "--host", host, "--port", str(port)]
     supervisor.start("API", api_args, env=env, stop_seconds=API_STOP_SECONDS)
     _banner(host=host, port=port, home=home, token_file=token_file, slots=slots, settings=settings)
@@ -203,3 +205,11 @@ def _redact(url: str) -> str:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
+
+
+app = typer.Typer(help="Run the service: its API, a worker node, its database, or all of it at once.")
+app.command()(api)
+app.command()(worker)
+app.command()(migrate)
+app.command()(up)
+app.add_typer(users.app, name="users")

@@ -1,4 +1,4 @@
-"""Every SQL query of the workers domain."""
+"""Every SQL query of the node registry (the `workers` table and its heartbeats)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`dptrain users`: manage users from the server host, straight in the database (no token needed).
 
-The server's modules are imported when a command runs, not with this module, which the client
-commands' `dptrain` program loads too (dptrain_cli/extras.py).
+The server's modules are imported when a command runs, not with this module, which `dptrain --help`
+loads on a client-only install too (dptrain_cli/extras.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The spec's data files (`data.train`, `data.eval`), opened under the data root: the builder's ctx.data."""
+"""The spec's datasets (`data.train`, `data.eval`), opened under the data root: the builder's ctx.data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from api_schemas import JobSpec
 from api_schemas.data import TokenFileSource
-from dptrain.data import Shards, TokenFile, data_path
+from rank_contract.data import Shards, TokenFile, data_path
 
 
 def open_spec_data(spec: JobSpec) -> dict[str, Any]:

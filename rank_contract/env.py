@@ -1,7 +1,7 @@
-"""The environment of a command job's ranks: the names the runner sets and the SDK reads, defined once.
+"""The environment the worker sets for the ranks: every variable name, defined once.
 
-Torch-free and cheap to import: the Celery worker's runner builds the environment from these, the
-ranks' SDK (`dptrain`) and wrapper (`workers.command_rank`) read it.
+Torch-free and cheap to import: the Celery worker's runner builds the environment from these; the
+ranks' SDK (`dptrain`), the command wrapper (`workers.command_rank`) and the engine read it.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workers.engine.launch import SUPERVISOR_ENV
-
 __all__ = [
+    "ALLOWED_ENTRYPOINTS_ENV",
     "ATTEMPT_ENV",
     "CHECKPOINT_DIR_ENV",
+    "CODE_DIR_ENV",
     "DATA_ROOT_ENV",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
@@ -32,8 +32,18 @@ RUN_DIR_ENV = "DPTRAIN_RUN_DIR"
 CHECKPOINT_DIR_ENV = "DPTRAIN_CHECKPOINT_DIR"
 KEEP_LAST_ENV = "DPTRAIN_KEEP_LAST"
 # The operator's read-only data root on this worker (its own setting, passed to every rank): data
-# paths of a spec are relative to it (dptrain.data.data_path).
+# paths of a spec are relative to it (rank_contract.data.data_path).
 DATA_ROOT_ENV = "DPTRAIN_DATA_ROOT"
+# "pid:start time" of the process supervising the ranks (the worker's runner). Each rank exits when
+# it is gone: ranks of a SIGKILLed worker must not train on, writing checkpoints beside the next
+# attempt's, and torchrun runs in a session of its own, so the worker's death does not reach them.
+# workers.engine.launch writes and watches the value.
+SUPERVISOR_ENV = "DPTRAIN_SUPERVISOR"
+# The unpacked code tree of a job with uploaded code: an entrypoint's module must come from there.
+CODE_DIR_ENV = "DPTRAIN_CODE_DIR"
+# The worker's own setting, passed through to the ranks: the module prefixes an entrypoint may name
+# when the job uploaded no code (the engine checks it again where the code runs).
+ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
 # The runner creates RUN_DIR/STOP_FILE_NAME on cancel or deadline, `cancel_grace_seconds` before
 # it SIGTERMs the ranks: a script that polls `dptrain.should_stop()` saves and leaves in time.
 STOP_FILE_NAME = "stop"

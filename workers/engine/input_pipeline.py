@@ -1,4 +1,4 @@
-"""The trainer's data: which batches each rank reads per ITER, through which loader, and what resumes them."""
+"""A rank's input pipeline: which batches it reads per ITER, through which loader, and what resumes them."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import torch
 from torch.utils.data import default_collate
 
 from api_schemas import JobSpec
-from dptrain.data import Stream
-from dptrain.plan import Plan
-from workers.engine import distributed as D
-from workers.engine.data import GlobalBatchSampler, batch_source, mix_seed
-from workers.engine.loader import (
+from rank_contract.data import Stream
+from rank_contract.plan import Plan
+from workers.engine import distributed
+from workers.engine.batch_loader import (
     Batches,
     load_failure,
     loader_options,
@@ -20,16 +19,17 @@ from workers.engine.loader import (
     step_batch_sampler,
     stream_loader,
 )
-from workers.engine.streams import StreamBatches, StreamPosition
+from workers.engine.batch_sampler import GlobalBatchSampler, batch_source, mix_seed
+from workers.engine.stream_batches import StreamBatches, StreamPosition
 
 # Seeds the loaders' own generators (their processes' base seed), apart from every other stream id.
 _LOADER_STREAM = 1 << 37
 
 
-class DataPipe:
+class InputPipeline:
     """A plan's training data for one rank: a sampler over a map-style dataset, or a stream."""
 
-    def __init__(self, *, spec: JobSpec, plan: Plan, env: D.DistEnv, device: torch.device) -> None:
+    def __init__(self, *, spec: JobSpec, plan: Plan, env: distributed.DistEnv, device: torch.device) -> None:
         self.spec, self.plan, self.env, self.device = spec, plan, env, device
         t = spec.hyperparameters
         self.stream: Stream | None = plan.dataset if isinstance(plan.dataset, Stream) else None

@@ -1,4 +1,4 @@
-"""In-memory datasets and the global-batch sampler (a pure function of seed and ITER)."""
+"""The global-batch sampler (a pure function of seed and ITER) and the batch sources it indexes."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from api_schemas import Worker, WorkerList
 from service.models import User
 from service.models import Worker as WorkerRow
 from service.models.base import utcnow
-from service.workers import repository
+from service.nodes import repository
 
 # A worker that missed this many heartbeats in a row is shown as lost.
 LOST_AFTER_BEATS = 3

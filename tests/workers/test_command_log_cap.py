@@ -1,0 +1,56 @@
+"""A command job that prints past DPTRAIN_MAX_LOG_BYTES_PER_JOB: its stored log stops at the cap, says so, and
+the job still succeeds (a real rank under the runner, on PostgreSQL)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import JobStatus
+from service.config import Settings, get_settings
+from service.models import LogLine
+from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin
+from workers.log_budget import line_bytes
+
+pytestmark = pytest.mark.e2e
+
+settings, sessions = node_fixtures()
+CAP = 8192
+LINES = 2000
+PROGRAM = f"for i in range({LINES}): print(f'line {{i:05d}} ' + 'x' * 40)\nprint('z' * 100_000)"
+
+
+@pytest.fixture
+def small_cap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The runner's reporter reads the process's settings: a cap of CAP bytes while the test runs."""
+    monkeypatch.setenv("DPTRAIN_MAX_LOG_BYTES_PER_JOB", str(CAP))
+    get_settings.cache_clear()
+    yield
+    monkeypatch.undo()
+    get_settings.cache_clear()
+
+
+@pytest.mark.usefixtures("small_cap")
+def test_a_job_printing_past_the_cap_keeps_the_cap_and_a_marker_and_succeeds(
+    settings: Settings, sessions: sessionmaker[Session]
+) -> None:
+    spec = {"name": "chatty", "command": ["python", "-c", PROGRAM], "resources": {"processes_per_node": 1}}
+    job_id = submit_as_admin(sessions, spec)
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
+    assert job_row(sessions, job_id).status == "succeeded"
+    with sessions() as s:
+        lines = list(s.query(LogLine).filter_by(job_id=job_id).order_by(LogLine.id))
+    markers = [ln.line for ln in lines if ln.line.startswith("[dptrain] ")]
+    kept = [ln.line for ln in lines if not ln.line.startswith("[dptrain] ")]
+    assert sum(line_bytes(x) for x in kept) <= CAP, "the stored lines stay under the cap"
+    assert len(markers) == 2 and "reached DPTRAIN_MAX_LOG_BYTES_PER_JOB (8192 bytes)" in markers[0], markers
+    counted = re.search(r"dropped (\d+) log lines \((\d+) bytes\)", markers[1])
+    assert counted is not None, markers
+    printed = sum(1 for x in kept if x.startswith("line "))
+    assert int(counted.group(1)) >= LINES + 1 - printed, (counted.group(0), printed)
+    each = line_bytes("line 00000 " + "x" * 40)
+    assert int(counted.group(2)) >= (LINES - printed) * each, (counted.group(0), printed)
+    assert markers[1].startswith("[dptrain] attempt 1 dropped"), markers
