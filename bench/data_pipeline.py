@@ -162,7 +162,10 @@ def engine_side(case: Case, work: int, num_workers: int, run_dir: Path) -> tuple
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventWriter(run_dir / "events" / "rank0.jsonl", 0)
     ckpt = NoCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, True, cfg.checkpoint.every_steps)
-    trainer = Trainer(cfg, plan, distributed.DistEnv(), torch.device("cpu"), events, ckpt)
+    local = cfg.local_batch_size(1)
+    trainer = Trainer(
+        cfg, plan, distributed.DistEnv(), torch.device("cpu"), events, ckpt, local_batch_size=local
+    )
 
     def run() -> None:
         trainer.iter = 0  # train() runs from ITER to steps: the same steps (and a new loader) every round

@@ -98,7 +98,10 @@ def engine_side(
     plan = RECIPES[case.recipe](plan_params(cfg), SEED)
     events = EventWriter(run_dir / "events" / "rank0.jsonl", 0)
     ckpt = NoCheckpoints(run_dir / "checkpoints", cfg.checkpoint.keep_last, True, cfg.checkpoint.every_steps)
-    trainer = Trainer(cfg, plan, distributed.DistEnv(), device, events, ckpt, backend=backend)
+    local = cfg.local_batch_size(1)
+    trainer = Trainer(
+        cfg, plan, distributed.DistEnv(), device, events, ckpt, local_batch_size=local, backend=backend
+    )
 
     def run() -> None:
         trainer.iter = 0  # train() runs from ITER to cfg.hyperparameters.steps: the same steps every round

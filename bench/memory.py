@@ -162,9 +162,9 @@ def _trainer(case: Case, checkpointing: bool, steps: int, device: torch.device) 
     torch.manual_seed(SEED)
     plan = RECIPES[case.recipe](extras, SEED)
     # Events and checkpoints are never touched: only wrap() and the training step run here.
-    return Trainer(
-        JobSpec.model_validate(spec), plan, distributed.DistEnv(), device, cast(Any, None), cast(Any, None)
-    )
+    cfg, env = JobSpec.model_validate(spec), distributed.DistEnv()
+    local = cfg.local_batch_size(env.world_size)
+    return Trainer(cfg, plan, env, device, cast(Any, None), cast(Any, None), local_batch_size=local)
 
 
 def measure(case: Case, checkpointing: bool, steps: int, device: torch.device) -> Measurement:

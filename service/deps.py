@@ -146,7 +146,7 @@ class BearerUser(HTTPBearer):
 
     An `HTTPBearer` itself (so OpenAPI still shows the bearer scheme) rather than a function that
     depends on one: every request authenticates, and FastAPI solves each dependency level anew
-    per request, a visible share of a cached poll's CPU (bench/findings.md, section 4).
+    per request, and a cached poll is mostly that work.
     """
 
     def __init__(self) -> None:

@@ -12,7 +12,7 @@ app = create_app()
 
 # Everything imported and built so far (FastAPI, SQLAlchemy, pydantic, torch-free but large) lives
 # as long as the process: frozen out of the collector's sight, no collection walks it again, and a
-# request's garbage collections stay small (measured in bench/findings.md, section 4). Only the
+# request's garbage collections walk only what the request allocated. Only the
 # server entry point does this, not `create_app`, which tests call many times.
 gc.collect()
 gc.freeze()

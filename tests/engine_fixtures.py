@@ -202,7 +202,10 @@ def train_in_process(spec: Any, plan: Any, run_dir: Path) -> dict[str, Any]:
         run_dir / "checkpoints", spec.checkpoint.keep_last, True, spec.checkpoint.every_steps
     )
     try:
-        trainer = Trainer(spec, plan, DistEnv(), torch.device("cpu"), events, checkpoints)
+        local = spec.local_batch_size(1)
+        trainer = Trainer(
+            spec, plan, DistEnv(), torch.device("cpu"), events, checkpoints, local_batch_size=local
+        )
         trainer.train()
         return trainer.state_dict()
     finally:

@@ -161,6 +161,56 @@ def test_user_code_and_examples_import_only_the_public_package() -> None:
     assert bad == {}, f"user code imports the worker's modules: {bad}"
 
 
+def test_nothing_of_the_worker_imports_the_sdk() -> None:
+    # The SDK sits above the worker: the engine and the runner read the Plan, the datasets and the
+    # ranks' variables from rank_contract, so no import of `dptrain` anywhere, lazy ones included.
+    bad = {
+        str(path.relative_to(ROOT)): sorted(m for m, _ in _scoped_imports(path) if _top(m) == "dptrain")
+        for path in (ROOT / "workers").rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, "workers/ imports the SDK (use rank_contract)"
+
+
+def test_the_sdk_reaches_the_worker_only_from_inside_a_rank() -> None:
+    # `import dptrain` must not load the worker's code (nor the service's): only a function that runs
+    # in a rank (report, save_checkpoint, the collectives) may import workers.engine, and nothing else
+    # of workers or service, at call time.
+    module_level: dict[str, list[str]] = {}
+    in_functions: dict[str, list[str]] = {}
+    for path in (ROOT / "dptrain").rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for module, in_function in _scoped_imports(path):
+            if _top(module) not in {"workers", "service"}:
+                continue
+            if not in_function:
+                module_level.setdefault(rel, []).append(module)
+            elif not module.startswith("workers.engine"):
+                in_functions.setdefault(rel, []).append(module)
+    assert module_level == {}, f"dptrain imports the worker or the service at module level: {module_level}"
+    assert in_functions == {}, f"dptrain reaches past workers.engine: {in_functions}"
+
+
+def test_the_rank_contract_imports_none_of_its_users() -> None:
+    # rank_contract is the one home of what the SDK, the worker and the engine share: it sits below
+    # all of them and needs only the standard library, api_schemas, torch and numpy.
+    allowed = {"rank_contract", "api_schemas", "torch", "numpy"}
+    bad = {
+        str(path.relative_to(ROOT)): sorted(
+            m for m, _ in _scoped_imports(path) if _top(m) not in allowed | sys.stdlib_module_names
+        )
+        for path in (ROOT / "rank_contract").rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, f"rank_contract imports more than it may: {bad}"
+
+
+@pytest.mark.e2e  # a fresh interpreter: this one has torch loaded already
+def test_the_ranks_environment_names_import_without_torch() -> None:
+    # The light client (no torch installed) imports dptrain, which reads rank_contract.env.
+    code = "import sys, rank_contract.env; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def _our_top_level_packages() -> list[str]:
     """The top-level packages pyproject's packages.find ships: every one of ours, new ones included."""
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
@@ -215,53 +265,3 @@ def test_no_import_cycles_between_our_files() -> None:
     }
     named = sorted(sorted(str(files[m].relative_to(ROOT)) for m in cycle) for cycle in cycles)
     assert named == [], f"import cycles between files (each imports the others, directly or not): {named}"
-
-
-def test_nothing_of_the_worker_imports_the_sdk() -> None:
-    # The SDK sits above the worker: the engine and the runner read the Plan, the datasets and the
-    # ranks' variables from rank_contract, so no import of `dptrain` anywhere, lazy ones included.
-    bad = {
-        str(path.relative_to(ROOT)): sorted(m for m, _ in _scoped_imports(path) if _top(m) == "dptrain")
-        for path in (ROOT / "workers").rglob("*.py")
-    }
-    assert {f: m for f, m in bad.items() if m} == {}, "workers/ imports the SDK (use rank_contract)"
-
-
-def test_the_sdk_reaches_the_worker_only_from_inside_a_rank() -> None:
-    # `import dptrain` must not load the worker's code (nor the service's): only a function that runs
-    # in a rank (report, save_checkpoint, the collectives) may import workers.engine, and nothing else
-    # of workers or service, at call time.
-    module_level: dict[str, list[str]] = {}
-    in_functions: dict[str, list[str]] = {}
-    for path in (ROOT / "dptrain").rglob("*.py"):
-        rel = str(path.relative_to(ROOT))
-        for module, in_function in _scoped_imports(path):
-            if _top(module) not in {"workers", "service"}:
-                continue
-            if not in_function:
-                module_level.setdefault(rel, []).append(module)
-            elif not module.startswith("workers.engine"):
-                in_functions.setdefault(rel, []).append(module)
-    assert module_level == {}, f"dptrain imports the worker or the service at module level: {module_level}"
-    assert in_functions == {}, f"dptrain reaches past workers.engine: {in_functions}"
-
-
-def test_the_rank_contract_imports_none_of_its_users() -> None:
-    # rank_contract is the one home of what the SDK, the worker and the engine share: it sits below
-    # all of them and needs only the standard library, api_schemas, torch and numpy.
-    allowed = {"rank_contract", "api_schemas", "torch", "numpy"}
-    bad = {
-        str(path.relative_to(ROOT)): sorted(
-            m for m, _ in _scoped_imports(path) if _top(m) not in allowed | sys.stdlib_module_names
-        )
-        for path in (ROOT / "rank_contract").rglob("*.py")
-    }
-    assert {f: m for f, m in bad.items() if m} == {}, f"rank_contract imports more than it may: {bad}"
-
-
-@pytest.mark.e2e  # a fresh interpreter: this one has torch loaded already
-def test_the_ranks_environment_names_import_without_torch() -> None:
-    # The light client (no torch installed) imports dptrain, which reads rank_contract.env.
-    code = "import sys, rank_contract.env; assert 'torch' not in sys.modules, sorted(sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr

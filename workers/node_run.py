@@ -6,6 +6,7 @@ otherwise import none of each other.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,12 @@ class RunPaths:
     @property
     def spec_path(self) -> Path:
         return self.run_dir / "spec.json"
+
+    def write_spec(self, spec: JobSpec) -> None:
+        """Write the ranks' spec.json, which the engine validates into this same model (engine.config)."""
+        # allow_nan=False: a non-finite number is refused here (a ValueError) rather than handed over
+        # as `NaN`, which Python's json reads back without a word.
+        self.spec_path.write_text(json.dumps(spec.model_dump(mode="json"), indent=2, allow_nan=False))
 
     @property
     def launcher_log(self) -> Path:

@@ -8,7 +8,6 @@ the claim token); the other nodes see the job leave `running` at their next repo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import subprocess
 import threading
@@ -202,10 +201,7 @@ def _supervise(
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
-    # The engine validates this same model from it (workers/engine/config.py). allow_nan=False: a
-    # non-finite number is refused here (a ValueError) rather than handed over as `NaN`, which
-    # Python's json reads back without a word.
-    paths.spec_path.write_text(json.dumps(spec.model_dump(mode="json"), indent=2, allow_nan=False))
+    paths.write_spec(spec)
     try:
         setup = prepare(
             settings=settings,
@@ -244,6 +240,7 @@ def _launch(
         attempt=paths.attempt,
         claim_token=run.att.token,
         run_dir=paths.run_dir,
+        max_log_bytes=settings.max_log_bytes_per_job,
     )
     max_runtime = spec.max_runtime_seconds
     deadline = time.monotonic() + max_runtime if max_runtime else None

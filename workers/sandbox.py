@@ -33,6 +33,7 @@ import importlib.util
 import logging
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,8 @@ import psutil
 log = logging.getLogger(__name__)
 
 BWRAP = "/usr/bin/bwrap"
-SETPRIV = "setpriv"
+# By absolute path: the ranks' PATH starts with the worker's interpreter's folder.
+SETPRIV = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin") or "/usr/bin/setpriv"
 INSTALL_HINT = "apt install bubblewrap"
 # What `dptrain up` and `DPTRAIN_SANDBOX=off` say where ranks run without the sandbox.
 NOT_ISOLATED = (
@@ -114,11 +116,13 @@ def _system() -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    # A resolv.conf that links out of /etc (systemd-resolved's /run/...): bind the file it names.
-    resolv = os.path.realpath("/etc/resolv.conf")
-    if not resolv.startswith("/etc/") and os.path.isfile(resolv):
-        args += ["--ro-bind", resolv, resolv]
     return args
+
+
+def _resolver() -> list[Path]:
+    """The file a resolv.conf that links out of /etc names (systemd-resolved's, under /run)."""
+    resolv = Path(os.path.realpath("/etc/resolv.conf"))
+    return [resolv] if Path("/etc") not in resolv.parents and resolv.is_file() else []
 
 
 def _devices(gpus: bool) -> list[str]:
@@ -147,6 +151,7 @@ def _parents(destinations: Sequence[Path]) -> list[str]:
 def bwrap_argv(box: Box, command: Sequence[str]) -> list[str]:
     """The argv that runs `command` (torchrun's) in the sandbox `box`, from the run's working directory."""
     ro = [
+        *_resolver(),
         *python_paths(),
         *([box.code_dir] if box.code_dir else []),
         *([box.data_root] if box.data_root else []),

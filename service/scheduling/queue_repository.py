@@ -25,8 +25,8 @@ QUEUED = Job.status == JobStatus.QUEUED.value
 
 def spec_parts(session: Session) -> tuple[ColumnElement[str | None], ColumnElement[str | None]]:
     """SQL for a stored spec's JSON type ("object" when readable) and its `resources` as JSON text."""
-    # Only the spec's `resources`, extracted by the database as JSON text: decoding every queued job's
-    # whole spec was half of an API process's CPU under a stream of submits (bench/findings.md, section 4).
+    # Only the spec's `resources`, extracted by the database as JSON text: this is read for every
+    # queued job, and the API process must not decode whole specs (most of whose bytes it never uses).
     resources: ColumnElement[str | None] = Job.spec["resources"].as_string()
     if is_postgresql(session):
         return func.jsonb_typeof(Job.spec), resources

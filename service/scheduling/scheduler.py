@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 # A kick after a quiet spell starts a round at once (a job submitted to an idle cluster starts
 # without delay). Under a stream of submits, rounds would otherwise run back to back, each reading
-# up to SCAN_LIMIT queued jobs, and placement would take a large share of the API process's CPU
-# (bench/findings.md, section 4). This spaces them out: at most 2 rounds a second.
+# reading the heads of every owner's queue, and placement would take a large share of the API
+# process's CPU. This spaces them out: at most 2 rounds a second.
 MIN_GAP_SECONDS = 0.5
 
 

@@ -285,7 +285,7 @@ def engine_builds(spec_json: str, world_size: int) -> JobSpec | None:
         spec = JobSpec.model_validate_json(spec_json)
         if spec.command is not None:
             return spec
-        spec = configure(spec_json, world_size)
+        spec = configure(spec_json, world_size).spec
     except ValueError:  # pydantic's ValidationError is one
         return None
     plan_params(spec)

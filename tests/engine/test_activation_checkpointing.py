@@ -291,7 +291,10 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
         env = distributed.DistEnv(rank=rank, world_size=2, launched=True)
         cfg = JobSpec.model_validate(spec)
         # No events or checkpoints: only wrap() and forward/backward run here.
-        trainer = Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
+        local = cfg.local_batch_size(env.world_size)
+        trainer = Trainer(
+            cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None), local_batch_size=local
+        )
         trainer.wrap()
         buckets: dict[int, int] = {}  # id(param) -> data_ptr of the storage of its bucket's flat buffer
 
@@ -306,7 +309,7 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
         checks = []
         for it in range(2):  # the second backward follows zero_grad(set_to_none=True)
             buckets.clear()
-            x, y = trainer.dataset.batch(trainer.sampler.local_indices(it, rank, 2), trainer.device)
+            x, y = trainer.dataset.batch(trainer.sampler.local_indices(it, rank, local), trainer.device)
             trainer._loss((x, y)).backward()
             in_bucket = {
                 n: p.grad is not None and p.grad.untyped_storage().data_ptr() == buckets.get(id(p))

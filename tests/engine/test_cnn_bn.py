@@ -128,8 +128,10 @@ def _trainer(env: distributed.DistEnv, **engine: Any) -> Trainer:
     spec["hyperparameters"].update(global_batch_size=BATCH, dataset_size=64)
     torch.manual_seed(SEED)
     plan = cnn_bn.build({"dataset_size": 64}, SEED)
+    cfg = JobSpec.model_validate(spec)
+    local = cfg.local_batch_size(env.world_size)
     return Trainer(
-        JobSpec.model_validate(spec), plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None)
+        cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None), local_batch_size=local
     )
 
 

@@ -70,9 +70,9 @@ def test_event_stream(equivalence_runs: dict[int, Any], equivalence_spec: dict[s
 
 def test_the_engine_reads_spec_json_into_the_api_model(make_spec: Any) -> None:
     text = json.dumps(make_spec(hyperparameters={"global_batch_size": 30, "hidden_size": 8}))
-    spec = configure(text, 2)
-    assert plan_params(spec) == {**MlpParams().model_dump(), "hidden_size": 8}
-    assert spec.local_batch_size(2) == 15
+    config = configure(text, 2)
+    assert plan_params(config.spec) == {**MlpParams().model_dump(), "hidden_size": 8}
+    assert config.local_batch_size == 15
     with pytest.raises(ValueError, match="not divisible by the world size 4"):
         configure(text, 4)
     with pytest.raises(ValidationError, match="lr"):
@@ -89,7 +89,7 @@ def test_sampler_is_a_pure_function_of_iter() -> None:
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10)), stream
     assert b.global_indices(3).tolist() == a.global_indices(3).tolist(), "expected no hidden sampler state"
     for world in (1, 2, 4):
-        parts = [a.local_indices(2, r, world).tolist() for r in range(world)]
+        parts = [a.local_indices(2, r, 4 // world).tolist() for r in range(world)]
         assert sum(parts, []) == a.global_indices(2).tolist(), f"world {world}: slices do not tile the batch"
 
 

@@ -98,7 +98,7 @@ def test_a_sample_that_fails_to_load_fails_the_job_naming_rank_and_sample(
     # Where sample 40 falls: the first step whose global batch holds it, and the rank whose half it is.
     sampler = GlobalBatchSampler(size, batch, seed)
     step = next(it for it in range(8) if bad in sampler.global_indices(it).tolist())
-    rank = next(r for r in range(2) if bad in sampler.local_indices(step, r, 2).tolist())
+    rank = next(r for r in range(2) if bad in sampler.local_indices(step, r, batch // 2).tolist())
     errors = [e for e in run.events(rank) if e["type"] == "error"]
     assert [e["error_type"] for e in errors] == ["DataLoadError"], run.describe()
     message = errors[0]["message"]

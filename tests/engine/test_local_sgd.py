@@ -134,7 +134,10 @@ def _trainer(env: distributed.DistEnv, **engine: Any) -> Trainer:
     cfg = JobSpec.model_validate(spec)
     torch.manual_seed(0)
     plan = mlp.build({"dataset_size": 256}, 0)
-    return Trainer(cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
+    local = cfg.local_batch_size(env.world_size)
+    return Trainer(
+        cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None), local_batch_size=local
+    )
 
 
 # Accumulation 2 too: a local step must skip the allreduce of its last micro-step as well.

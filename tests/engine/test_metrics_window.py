@@ -233,7 +233,11 @@ def _trainer_worker(rank: int, world: int, out_dir: str) -> None:
     env = distributed.DistEnv(rank=rank, world_size=world, launched=True)
     # Rank 0 alone sleeps, so the ranks' clocks differ: the windows must still agree.
     fault = Fault(action="sleep", rank=0, ms=40)
-    Trainer(cfg, plan, env, torch.device("cpu"), events, ckpt, fault=fault, backend="gloo").train()
+    batch = cfg.local_batch_size(world)
+    trainer = Trainer(
+        cfg, plan, env, torch.device("cpu"), events, ckpt, local_batch_size=batch, fault=fault, backend="gloo"
+    )
+    trainer.train()
     events.close()
     # The logged loss as it was computed before windows: one scalar allreduce per step, sum then divide.
     reference = []

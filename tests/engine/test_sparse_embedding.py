@@ -187,10 +187,18 @@ def _cfg(recipe: bool, **engine: Any) -> JobSpec:
     return JobSpec.model_validate(spec)
 
 
+def _trainer(cfg: JobSpec, plan: Plan, env: distributed.DistEnv) -> Trainer:
+    """A trainer without events or checkpoints: only wrap() and the training step run."""
+    local = cfg.local_batch_size(env.world_size)
+    return Trainer(
+        cfg, plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None), local_batch_size=local
+    )
+
+
 def _recipe_trainer(env: distributed.DistEnv, **engine: Any) -> Trainer:
     torch.manual_seed(SEED)
     plan = sparse_embedding.build({"dataset_size": 64}, SEED)
-    return Trainer(_cfg(True, **engine), plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None))
+    return _trainer(_cfg(True, **engine), plan, env)
 
 
 def _step_capturing_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -220,9 +228,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     plan = _non_dp_plan()
     with torch.no_grad():
         plan.model.get_parameter("scale").fill_(1.0 + rank)  # ranks start apart; no broadcast may undo it
-    trainer = Trainer(
-        _cfg(False, grad_clip_norm=None), plan, env, torch.device("cpu"), cast(Any, None), cast(Any, None)
-    )
+    trainer = _trainer(_cfg(False, grad_clip_norm=None), plan, env)
     trainer.wrap()
     trainer._step(0)
     results["non_dp"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -298,7 +304,7 @@ def test_non_data_parallel_parameter_keeps_each_rank_own_gradient(spawned: list[
         with torch.no_grad():
             model.get_parameter("scale").fill_(1.0 + rank)
         data = _non_dp_plan().dataset
-        idx = GlobalBatchSampler(len(data), BATCH, SEED).local_indices(0, rank, WORLD)
+        idx = GlobalBatchSampler(len(data), BATCH, SEED).local_indices(0, rank, BATCH // WORLD)
         x, y = data.batch(idx, torch.device("cpu"))
         nn.functional.cross_entropy(model(x), y).backward()
         local_grads.append((model, {n: p.grad for n, p in model.named_parameters()}))
@@ -322,7 +328,7 @@ def test_non_data_parallel_parameter_keeps_each_rank_own_gradient(spawned: list[
 def test_clipping_is_refused_with_non_data_parallel_parameters() -> None:
     # Checked in wrap() before DDP or any collective, so no process group is needed.
     env = distributed.DistEnv(rank=0, world_size=WORLD)
-    trainer = Trainer(_cfg(False), _non_dp_plan(), env, torch.device("cpu"), cast(Any, None), cast(Any, None))
+    trainer = _trainer(_cfg(False), _non_dp_plan(), env)
     with pytest.raises(ValueError, match=r"grad_clip_norm cannot be combined .*\(scale\)"):
         trainer.wrap()
 

@@ -63,7 +63,7 @@ def test_the_loader_pins_host_batches_and_copies_them_without_blocking() -> None
     device = torch.device("cuda", 0)
     options = loader_options(DataSpec(), device, seed=0)
     assert options["pin_memory"] is True
-    indices = step_batch_sampler(GlobalBatchSampler(64, 16, 0), rank=0, world_size=1, first=0, stop=3)
+    indices = step_batch_sampler(GlobalBatchSampler(64, 16, 0), rank=0, local_batch_size=16, first=0, stop=3)
     loader = map_loader(data, None, indices, options)
     assert all(t.is_pinned() for batch in loader for t in batch), "expected pinned host batches"
     batches = Batches(loader, device=device, rank=0, first=0)

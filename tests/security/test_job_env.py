@@ -73,7 +73,9 @@ def test_the_worker_drops_a_refused_name_a_stored_spec_still_has(tmp_path: Path)
     # Defence in depth: a spec stored before a name was refused reaches the worker as it was stored.
     stored = {**FINDING_ENV, "LD_PRELOAD": "/tmp/x.so", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "MY_FLAG": "1"}
     worker = {"CUDA_VISIBLE_DEVICES": "2", "LANG": "C.UTF-8"}
-    env = rank_environment(worker_env=worker, dptrain={}, user=stored, home=tmp_path, code_dir=None)
+    env = rank_environment(
+        worker_env=worker, dptrain={}, user=stored, home=tmp_path, tmp=tmp_path / "tmp", code_dir=None
+    )
     assert env["MY_FLAG"] == "1", env
     assert env["CUDA_VISIBLE_DEVICES"] == "2", "the worker's device assignment must stand"
     for name in ("CXX", "BASH_ENV", "LD_PRELOAD"):

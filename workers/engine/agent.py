@@ -6,7 +6,7 @@
 Takes torchrun's own command line (`torch.distributed.run`). Under plain torchrun every rank is
 a fresh interpreter that imports torch and, on building its first optimizer, torch._dynamo
 (`Optimizer.__init__` calls functions wrapped in `torch._disable_dynamo`, whose first call
-imports it): seconds of start-up, paid again by each rank on every start (bench/findings.md).
+imports it): seconds of start-up, paid again by each rank on every start.
 Here the agent pays them once before launching, and torchrun's `--start-method fork` with
 `--run-path` starts each rank as a fork of this process, with both modules already loaded (pages
 shared copy-on-write).

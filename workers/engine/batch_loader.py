@@ -102,19 +102,19 @@ class _StepIndices(Sampler[list[int]]):
     """The rank's local indices of ITER first..stop-1, one batch per ITER (DataLoader's batch_sampler)."""
 
     def __init__(
-        self, sampler: GlobalBatchSampler, rank: int, world_size: int, first: int, stop: int
+        self, sampler: GlobalBatchSampler, rank: int, local_batch_size: int, first: int, stop: int
     ) -> None:
-        self.sampler, self.rank, self.world_size, self.first, self.stop = (
+        self.sampler, self.rank, self.local, self.first, self.stop = (
             sampler,
             rank,
-            world_size,
+            local_batch_size,
             first,
             stop,
         )
 
     def __iter__(self) -> Iterator[list[int]]:
         for it in range(self.first, self.stop):
-            yield self.sampler.local_indices(it, self.rank, self.world_size).tolist()
+            yield self.sampler.local_indices(it, self.rank, self.local).tolist()
 
     def __len__(self) -> int:
         return max(0, self.stop - self.first)
@@ -167,10 +167,10 @@ def map_loader(
 
 
 def step_batch_sampler(
-    sampler: GlobalBatchSampler, *, rank: int, world_size: int, first: int, stop: int
+    sampler: GlobalBatchSampler, *, rank: int, local_batch_size: int, first: int, stop: int
 ) -> Sampler[list[int]]:
     """The batch sampler for training steps first..stop-1 on `rank`."""
-    return _StepIndices(sampler, rank, world_size, first, stop)
+    return _StepIndices(sampler, rank, local_batch_size, first, stop)
 
 
 def fixed_batch_sampler(batches: Sequence[torch.Tensor]) -> Sampler[list[int]]:

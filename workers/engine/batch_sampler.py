@@ -88,13 +88,8 @@ class GlobalBatchSampler:
             pos, remaining = pos + take, remaining - take
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def local_indices(self, it: int, rank: int, world_size: int) -> torch.Tensor:
-        """Rank `rank`'s contiguous slice [r*B/W, (r+1)*B/W) of global batch `it`."""
-        if self.global_batch_size % world_size != 0:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not divisible by the world size {world_size}"
-            )
-        local = self.global_batch_size // world_size
+    def local_indices(self, it: int, rank: int, local: int) -> torch.Tensor:
+        """Rank `rank`'s contiguous slice [r*local, (r+1)*local) of global batch `it` (local = B/W)."""
         return self.global_indices(it)[rank * local : (rank + 1) * local]
 
 

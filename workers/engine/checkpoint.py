@@ -287,7 +287,7 @@ class CheckpointManager:
 
         Why two: the sha256 is what users check a downloaded checkpoint against (it is in the API
         and the download's header), but on one core it is slower than a fast disk, so it would be
-        most of a load; XXH3 is several times faster (bench/findings.md). It is not a cryptographic hash, and
+        most of a load; XXH3 keeps up with the disk. It is not a cryptographic hash, and
         need not be here: the sidecars guard against torn, truncated and bit-rotted files, and
         whoever can rewrite a checkpoint can rewrite its sidecars too (`weights_only` loading is
         what makes a crafted file harmless).

@@ -192,8 +192,9 @@ def evaluator_for(
         raise ValueError("the spec asks for evaluation but the plan has no eval_dataset")
     if isinstance(plan.eval_dataset, Stream):
         raise TypeError("eval_dataset must be map-style (len and indexing): evaluation needs a fixed set")
-    # Fixed by the spec, not by the world size this attempt runs at: the same batches at any world.
-    size = ev.batch_size or max(1, spec.hyperparameters.global_batch_size // spec.world_size)
+    # Fixed by the spec (its local batch at its own world size), not by the world size this attempt
+    # runs at: the same batches at any world.
+    size = ev.batch_size or spec.local_batch_size()
     return Evaluator(
         plan=plan,
         dataset=plan.eval_dataset,

@@ -29,8 +29,17 @@ _LOADER_STREAM = 1 << 37
 class InputPipeline:
     """A plan's training data for one rank: a sampler over a map-style dataset, or a stream."""
 
-    def __init__(self, *, spec: JobSpec, plan: Plan, env: distributed.DistEnv, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        spec: JobSpec,
+        plan: Plan,
+        env: distributed.DistEnv,
+        device: torch.device,
+        local_batch_size: int,
+    ) -> None:
         self.spec, self.plan, self.env, self.device = spec, plan, env, device
+        self.local_batch_size = local_batch_size
         t = spec.hyperparameters
         self.stream: Stream | None = plan.dataset if isinstance(plan.dataset, Stream) else None
         # A stream's position where training (re)starts; the running one is the current loader's.
@@ -62,14 +71,14 @@ class InputPipeline:
         """This rank's batches for ITER first..stop-1, through a DataLoader set up as the spec says."""
         t = self.spec.hyperparameters
         options = loader_options(self.spec.data, self.device, seed=mix_seed(t.seed, _LOADER_STREAM + first))
-        rank, world = self.env.rank, self.env.world_size
+        rank, local = self.env.rank, self.local_batch_size
         if self.stream is not None:
             stream = StreamBatches(
                 self.stream,
                 seed=t.seed,
                 global_batch_size=t.global_batch_size,
                 rank=rank,
-                world_size=world,
+                local_batch_size=local,
                 first=first,
                 stop=stop,
                 start=self.position,
@@ -79,7 +88,9 @@ class InputPipeline:
             loader = stream_loader(stream, options)
         else:
             assert self.sampler is not None
-            indices = step_batch_sampler(self.sampler, rank=rank, world_size=world, first=first, stop=stop)
+            indices = step_batch_sampler(
+                self.sampler, rank=rank, local_batch_size=local, first=first, stop=stop
+            )
             loader = map_loader(self.plan.dataset, self.plan.collate_fn, indices, options)
         start = self.position.state() if self.stream is not None else None
         self._batches = Batches(loader, device=self.device, rank=rank, first=first, position=start)

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         # would have read the variable itself, so apply it the same way here.
         torch.set_num_threads(int(threads))
     # Before the rendezvous-heavy work: a spec that cannot run at this world size fails at once.
-    spec = configure(args.spec.read_bytes(), env.world_size)
+    config = configure(args.spec.read_bytes(), env.world_size)
+    spec = config.spec
     builder = builder_of(spec)
     fault = fault_from_env()
     if spec.world_size != env.world_size:
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
             device=device,
             world_size=env.world_size,
             rank=env.rank,
-            local_batch_size=spec.local_batch_size(env.world_size),
+            local_batch_size=config.local_batch_size,
             data=open_spec_data(spec),
         )
         plan = build_plan(builder, plan_params(spec), seed, ctx)
@@ -130,7 +131,17 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
             spec.checkpoint.every_steps,
             keep_best=best.mode if best is not None else None,
         )
-        Trainer(spec, plan, env, device, events, checkpoints, fault=fault, backend=backend).train()
+        Trainer(
+            spec,
+            plan,
+            env,
+            device,
+            events,
+            checkpoints,
+            local_batch_size=config.local_batch_size,
+            fault=fault,
+            backend=backend,
+        ).train()
         print(f"job {args.job_id}: rank {env.rank} done")
     finally:
         distributed.destroy()
@@ -154,8 +165,8 @@ def own_session() -> None:
     A rank forked by workers.engine.agent is otherwise in the agent's session, and so, with the
     kernel's scheduler autogroups (one CPU scheduling group per session; on by default in Debian's
     kernel), in one group with its sibling ranks: their compute threads and Gloo's wake-ups then
-    preempt each other as equals, and a multi-rank loop on a small host runs measurably slower than
-    with a session per rank (bench/findings.md, section 2). A cancel still reaches the rank: the agent
+    preempt each other as equals, where a session per rank lets the scheduler keep each rank's
+    threads together. A cancel still reaches the rank: the agent
     forwards SIGTERM to each of its ranks, and the runner sweeps ranks by job id afterwards, as for
     plain torchrun's.
     """

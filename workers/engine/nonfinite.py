@@ -55,16 +55,15 @@ class NonFiniteGuard:
 
     def _grad_norm(self) -> torch.Tensor | None:
         """On CUDA at world > 1, the averaged gradient's 2-norm (the same on every rank); else None."""
-        # On CPU the pass over every gradient costs ~4% of a small model's world-2 step
-        # (bench/findings.md, section 9) and a rank's NaN loss is known on the host at once; the other
-        # ranks' replicas may then take the NaN-averaged step, but the job fails at the next check,
-        # before anything is saved or evaluated.
+        # On CPU a pass over every gradient is a visible share of a small model's step, and a rank's
+        # NaN loss is known on the host at once; the other ranks' replicas may then take the
+        # NaN-averaged step, but the job fails at the next check, before anything is saved or evaluated.
         check = self.env.world_size > 1 and self.device.type == "cuda"
         grads = self._grads() if check else []
         if not grads:
             return None
         # Not finite if an entry is not (or if it overflows, which no sane step does). The inf-norm would
-        # be exact but takes a slow per-element path on CPU, 25x the 2-norm's fused kernel.
+        # be exact but takes a slow per-element path on CPU, where the 2-norm has a fused kernel.
         return torch.stack(torch._foreach_norm(grads, 2.0)).sum()
 
     def step(self, it: int, loss: torch.Tensor) -> None:

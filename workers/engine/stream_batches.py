@@ -126,7 +126,7 @@ class StreamBatches(IterableDataset):  # type: ignore[type-arg]
         seed: int,
         global_batch_size: int,
         rank: int,
-        world_size: int,
+        local_batch_size: int,
         first: int,
         stop: int,
         start: StreamPosition,
@@ -139,14 +139,13 @@ class StreamBatches(IterableDataset):  # type: ignore[type-arg]
                 f"{first * global_batch_size}"
             )
         self.stream, self.seed, self.global_batch_size = stream, seed, global_batch_size
-        self.rank, self.world_size, self.first, self.stop, self.start = rank, world_size, first, stop, start
+        self.rank, self.local, self.first, self.stop, self.start = rank, local_batch_size, first, stop, start
         self.collate_fn, self.failure = collate_fn, failure
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        local = self.global_batch_size // self.world_size
-        lo, hi = self.rank * local, (self.rank + 1) * local
+        lo, hi = self.rank * self.local, (self.rank + 1) * self.local
         transform = self.stream.transform
         source = samples(self.stream, self.seed, self.start)
         for it in range(self.first, self.stop):

@@ -48,16 +48,20 @@ class Trainer:
         device: torch.device,
         events: EventWriter,
         checkpoints: CheckpointManager,
+        *,
+        local_batch_size: int,
         fault: Fault | None = None,
         backend: str | None = None,
     ) -> None:
         self.spec, self.env, self.device = spec, env, device
         self.events, self.checkpoints, self.fault, self.backend = events, checkpoints, fault, backend
-        self.local_batch_size = spec.local_batch_size(env.world_size)  # refuses an uneven split
+        self.local_batch_size = local_batch_size  # engine.config's, at this world size
         self.plan = plan
         self.model: nn.Module = plan.model.to(device)  # the bare module: what we save and load
         # How every rank reads its batches (a sampler over a map-style dataset, or a stream).
-        self.data = InputPipeline(spec=spec, plan=plan, env=env, device=device)
+        self.data = InputPipeline(
+            spec=spec, plan=plan, env=env, device=device, local_batch_size=local_batch_size
+        )
         # A map-style dataset as `batch(indices, device)` and its sampler, for stepping without a loader.
         self.dataset, self.sampler = self.data.dataset, self.data.sampler
         self.sharded = list(plan.sharded)
@@ -248,7 +252,7 @@ class Trainer:
     def _step(self, it: int, batch: Any = None) -> torch.Tensor:
         if batch is None:  # driven step by step (tests, benchmarks): gather in place
             assert self.sampler is not None, "a stream's batches come from its loader"
-            idx = self.sampler.local_indices(it, self.env.rank, self.env.world_size)
+            idx = self.sampler.local_indices(it, self.env.rank, self.local_batch_size)
             batch = self.dataset.batch(idx, self.device)
         # Per-rank MEAN loss; DDP divides the summed gradients by world size (data_parallel_model's
         # loss_scale = 1/devices), so the update equals the one for the global-batch mean loss at
@@ -259,8 +263,8 @@ class Trainer:
         ddp = self.train_model if isinstance(self.train_model, DistributedDataParallel) else None
         local = self.local_sgd is not None and self.local_sgd.is_local(it)
         if n == 1:
-            # The default: one micro-step, so no chunking and no running sum (bench.engine_overhead
-            # showed their few tensor ops per step in a small model's step time). Same math.
+            # The default: one micro-step, so no chunking and no running sum, whose few tensor ops a
+            # step would otherwise pay for nothing. Same math.
             with ddp.no_sync() if ddp is not None and local else contextlib.nullcontext():
                 loss = self._loss(batch)
                 loss.backward()
