@@ -10,7 +10,7 @@ import pytest
 
 from workers import sandbox
 from workers.sandbox import Box, bwrap_argv
-from workers.scratch import make_scratch, remove_scratch
+from workers.scratch import make_scratch, remove_earlier, remove_scratch
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -135,3 +135,13 @@ class TestScratch:
         os.chmod(scratch.workdir / "pkg", 0o500)  # a job that locks a folder of its own
         remove_scratch(run_dir)
         assert sorted(p.name for p in run_dir.iterdir()) == ["logs"], "work, tmp and home are gone; logs stay"
+
+    def test_a_later_attempt_removes_the_scratch_an_earlier_one_left_on_its_node(
+        self, tmp_path: Path
+    ) -> None:
+        job_dir = tmp_path / "job"
+        for attempt, node in ((1, 0), (1, 1), (2, 0)):
+            make_scratch(job_dir / f"attempt-{attempt}" / f"node-{node}", None)
+        remove_earlier(job_dir, attempt=3, node_rank=0)
+        left = sorted(str(p.relative_to(job_dir)) for p in job_dir.glob("attempt-*/node-*/*"))
+        assert left == ["attempt-1/node-1/home", "attempt-1/node-1/tmp", "attempt-1/node-1/work"], left
