@@ -62,6 +62,27 @@ def interleaved(
     return {"ratios": ratios, "a_s": ta, "b_s": tb, **spread(ratios)}
 
 
+def rotated(
+    sides: Mapping[str, Callable[[], float]], rounds: int, *, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Run every side once a round, `rounds` times, each round starting one side further on; seconds by side.
+
+    Rotating who goes first does for several sides what ABBA does for two: over a multiple of
+    len(sides) rounds every side runs at every position equally often, so slow drifts of the
+    machine land on all of them. Ratios are taken per round, from the lists' equal indices.
+    """
+    names = list(sides)
+    for _ in range(warmup):
+        for name in names:
+            sides[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            times[name].append(sides[name]())
+    return times
+
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds `fn()` took."""
     start = time.perf_counter()

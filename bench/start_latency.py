@@ -4,7 +4,9 @@
 
 dptrain side: `dptrain api` + one `dptrain worker` on PostgreSQL + Redis (loopback, production
 defaults, including the worker's 0.5 s report interval, except the per-token rate limit, off
-because the client polls faster than 20/s), already up and idle. A client POSTs a
+because the client polls faster than 20/s), already up and idle. Two such stacks run side by side:
+one whose worker starts the ranks in the sandbox (DPTRAIN_SANDBOX=required, so a run without a
+working sandbox fails instead of measuring the wrong thing), one with DPTRAIN_SANDBOX=off. A client POSTs a
 2-process `mlp` job and polls `GET /v1/jobs/{id}/metrics` every 10 ms; the latency is from just
 before the POST to the first answer holding a point (step 1's metrics: the engine logs every
 step). That covers the API, the commit, the Redis publish, the Celery delivery, the claim,
@@ -12,8 +14,10 @@ torchrun, two ranks importing torch and building the recipe, rendezvous, the fir
 events file, the reporter's tick and the read. The job is then awaited to its end before the next.
 
 Baseline: the wall time of `python -m torch.distributed.run --standalone --nproc-per-node 2
-bench/baselines/hello.py` (init Gloo, one allreduce, print, exit). Runs alternate (ABBA); the
-ratio is dptrain seconds / torchrun seconds per round.
+bench/baselines/hello.py` (init Gloo, one allreduce, print, exit). A round runs a sandboxed job, an
+unsandboxed job and the hello-world, each round starting one further on (bench.common.rotated);
+each ratio is taken within a round: sandboxed / torchrun (the bar: the sandbox is the default),
+unsandboxed / torchrun, and sandboxed / unsandboxed (what the sandbox itself costs).
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from api_schemas import JobStatus
-from bench.common import ROOT, Result, bench_env, cli, interleaved, ratio_of, result
+from bench.common import ROOT, Result, bench_env, cli, ratio_of, result, rotated, spread
 from bench.stack import running_stack
 
 BAR = 1.3
@@ -89,33 +94,73 @@ def torchrun_hello() -> float:
     return elapsed
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def run(smoke: bool = False) -> dict[str, Result]:
-    """Interleaved job starts and torchrun hello-worlds."""
-    rounds = 1 if smoke else 7
+    """Rotated rounds of a sandboxed job start, an unsandboxed one and a torchrun hello-world."""
+    rounds = 1 if smoke else 6
     with (
         tempfile.TemporaryDirectory(prefix="dptrain-bench-start-") as tmp,
-        running_stack(Path(tmp), worker=True) as stack,
-        stack.client() as http,
+        running_stack(_folder(tmp, "sandboxed"), worker=True, DPTRAIN_SANDBOX="required") as on,
+        running_stack(_folder(tmp, "unsandboxed"), worker=True, DPTRAIN_SANDBOX="off") as off,
+        on.client() as on_http,
+        off.client() as off_http,
     ):
-        m = interleaved(lambda: job_start(http), torchrun_hello, rounds, warmup=0 if smoke else 1)
+        sides = {
+            "sandboxed": lambda: job_start(on_http),
+            "unsandboxed": lambda: job_start(off_http),
+            "torchrun": torchrun_hello,
+        }
+        t = rotated(sides, rounds, warmup=0 if smoke else 1)
+    sandboxed, unsandboxed, torchrun = t["sandboxed"], t["unsandboxed"], t["torchrun"]
+    medians = (
+        f"medians: sandboxed {_median(sandboxed):.2f} s, unsandboxed {_median(unsandboxed):.2f} s, "
+        f"torchrun hello {_median(torchrun):.2f} s ({rounds} rounds)"
+    )
+
+    def figure(**detail: Any) -> Result:
+        return result(benchmark="3. Job start", unit="x (time ratio)", smoke=smoke, **detail)
+
+    job = "submit to first step's metrics visible in the API (2-rank mlp job"
+    hello = "wall time of a bare 2-process torchrun hello-world"
     return {
-        "start_latency_vs_torchrun": result(
-            benchmark="3. Job start",
-            compared="submit to first step's metrics visible in the API (2-rank mlp job) "
-            "/ wall time of a bare 2-process torchrun hello-world",
-            unit="x (time ratio)",
-            **ratio_of(m),
+        "start_latency_vs_torchrun": figure(
+            compared=f"{job}, ranks sandboxed) / {hello}",
+            **_ratios(sandboxed, torchrun),
             bar=BAR,
             higher_is_better=False,
-            smoke=smoke,
-            dptrain_s=m["a_s"],
-            torchrun_s=m["b_s"],
-            notes=[
-                f"dptrain median {sorted(m['a_s'])[len(m['a_s']) // 2]:.2f} s, torchrun hello median "
-                f"{sorted(m['b_s'])[len(m['b_s']) // 2]:.2f} s ({rounds} rounds)"
-            ],
-        )
+            dptrain_s=sandboxed,
+            torchrun_s=torchrun,
+            notes=[medians],
+        ),
+        "start_latency_unsandboxed_vs_torchrun": figure(
+            compared=f"{job}, DPTRAIN_SANDBOX=off) / {hello}",
+            **_ratios(unsandboxed, torchrun),
+            bar=None,
+            higher_is_better=False,
+            dptrain_s=unsandboxed,
+            torchrun_s=torchrun,
+        ),
+        "start_latency_sandboxed_vs_unsandboxed": figure(
+            compared="the same job start, ranks sandboxed / DPTRAIN_SANDBOX=off",
+            **_ratios(sandboxed, unsandboxed),
+            bar=None,
+            higher_is_better=False,
+        ),
     }
+
+
+def _folder(tmp: str, name: str) -> Path:
+    path = Path(tmp) / name
+    path.mkdir()
+    return path
+
+
+def _ratios(a: list[float], b: list[float]) -> dict[str, float]:
+    """result()'s ratio (median) and spread of a / b, taken round by round."""
+    return ratio_of(spread([x / y for x, y in zip(a, b, strict=True)]))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Result]:

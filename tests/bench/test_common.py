@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from itertools import cycle
 from pathlib import Path
 
-from bench.common import interleaved, merge_results, render_markdown, result
+from bench.common import interleaved, merge_results, render_markdown, result, rotated
 
 
 class TestInterleaved:
@@ -26,6 +27,22 @@ class TestInterleaved:
         assert calls == ["a", "b", "b", "a"], f"expected ABBA order, got {calls}"
         assert out["ratios"] == [2.0, 4.0], f"expected per-round A/B ratios [2, 4], got {out['ratios']}"
         assert (out["median"], out["min"], out["max"]) == (3.0, 2.0, 4.0)
+
+
+class TestRotated:
+    def test_every_side_runs_once_a_round_each_round_starting_one_further_on(self) -> None:
+        calls: list[str] = []
+
+        def side(name: str, seconds: float) -> Callable[[], float]:
+            def run() -> float:
+                calls.append(name)
+                return seconds
+
+            return run
+
+        out = rotated({"a": side("a", 3.0), "b": side("b", 2.0), "c": side("c", 1.0)}, 3, warmup=1)
+        assert calls == list("abc" + "abc" + "bca" + "cab"), f"expected a warm-up, then rotations: {calls}"
+        assert out == {"a": [3.0] * 3, "b": [2.0] * 3, "c": [1.0] * 3}, out
 
 
 class TestResults:
