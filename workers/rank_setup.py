@@ -21,7 +21,7 @@ from workers import sandbox
 from workers.code_cache import CodeArchiveError, unpack_cached
 from workers.engine.launch import supervisor_id
 from workers.rank_env import rank_environment
-from workers.scratch import make_scratch
+from workers.scratch import make_scratch, short_tmp
 
 
 class SetupFailed(Exception):
@@ -132,8 +132,8 @@ def prepare(
         code_dir=code_dir,
         data_root=settings.data_root,
     )
-    # In the sandbox TMPDIR is its own short /tmp: AF_UNIX paths (multiprocessing's) fit in 108 bytes.
-    tmp = Path(sandbox.SANDBOX_TMP) if why is None else scratch.tmp
+    # TMPDIR is short whatever the home's length: AF_UNIX paths (multiprocessing's) fit in 108 bytes.
+    tmp = Path(sandbox.SANDBOX_TMP) if why is None else short_tmp(run_dir)
     env = rank_environment(
         worker_env=os.environ,
         dptrain=ours,

@@ -9,6 +9,7 @@ logs and events.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import stat
@@ -18,6 +19,10 @@ from pathlib import Path
 
 # The folders of a run directory that are scratch, removed whole when the attempt ends.
 WORKDIR, TMP, HOME = "work", "tmp", "home"
+# Where unsandboxed ranks' TMPDIR points: a short link to the attempt's tmp. multiprocessing makes
+# its sockets under TMPDIR, and an AF_UNIX path has 108 bytes: a run directory under an ordinary
+# DPTRAIN_HOME is already too deep for a DataLoader's workers. (In the sandbox TMPDIR is /tmp.)
+SHORT_TMP_PARENT = Path("/tmp")
 
 
 @dataclass(frozen=True)
@@ -63,10 +68,35 @@ def _writable(copy: Path, source: Path) -> None:
     os.chmod(copy, 0o700)
 
 
+def short_tmp(run_dir: Path) -> Path:
+    """A short path for the ranks' TMPDIR outside the sandbox: a link to `run_dir`'s tmp, or the tmp itself.
+
+    Named after the run directory, so the attempt's end finds it again (`remove_scratch`). Only a link
+    this worker may replace is used: where another account's file holds the name, the tmp itself.
+    """
+    target = run_dir / TMP
+    link = _short_link(run_dir)
+    try:
+        if link.is_symlink():
+            link.unlink()
+        link.symlink_to(target, target_is_directory=True)
+    except OSError:
+        return target
+    return link
+
+
+def _short_link(run_dir: Path) -> Path:
+    return SHORT_TMP_PARENT / f"dptrain-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]}"
+
+
 def remove_scratch(run_dir: Path) -> None:
     """Delete the scratch folders of the attempt in `run_dir` (quiet about those already gone)."""
     for name in (WORKDIR, TMP, HOME):
         remove_tree(run_dir / name)
+    link = _short_link(run_dir)
+    with contextlib.suppress(OSError):
+        if link.is_symlink() and Path(os.readlink(link)) == run_dir / TMP:
+            link.unlink()
 
 
 def remove_earlier(job_dir: Path, *, attempt: int, node_rank: int) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from workers import sandbox
 from workers.sandbox import Box, bwrap_argv
-from workers.scratch import make_scratch, remove_earlier, remove_scratch
+from workers.scratch import make_scratch, remove_earlier, remove_scratch, short_tmp
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -145,3 +145,15 @@ class TestScratch:
         remove_earlier(job_dir, attempt=3, node_rank=0)
         left = sorted(str(p.relative_to(job_dir)) for p in job_dir.glob("attempt-*/node-*/*"))
         assert left == ["attempt-1/node-1/home", "attempt-1/node-1/tmp", "attempt-1/node-1/work"], left
+
+    def test_unsandboxed_ranks_get_a_short_tmpdir_that_goes_with_the_scratch(self, tmp_path: Path) -> None:
+        # A run directory under an ordinary home is too deep for multiprocessing's AF_UNIX sockets.
+        run_dir = tmp_path / ("d" * 80) / "attempt-1" / "node-0"
+        scratch = make_scratch(run_dir, None)
+        tmp = short_tmp(run_dir)
+        assert len(str(tmp / "pymp-abcdefgh" / "listener-abcdefgh")) < 108 < len(str(scratch.tmp))
+        (tmp / "x").write_text("y")
+        assert (scratch.tmp / "x").read_text() == "y", "the short path is the attempt's own tmp"
+        assert short_tmp(run_dir) == tmp, "a second delivery of the attempt reuses the name"
+        remove_scratch(run_dir)
+        assert not tmp.is_symlink() and not scratch.tmp.exists()
