@@ -29,38 +29,40 @@ class TokenBuckets:
         """Spend one token of `key`'s bucket; None if allowed, else the seconds until one is there."""
         if self.rate <= 0:
             return None
-        now = self.clock()
         with self._lock:
-            level, then = self._buckets.get(key, (self.burst, now))
-            level = min(self.burst, level + (now - then) * self.rate)
+            level, now = self._level(key)
             if level < 1.0:
                 self._buckets[key] = (level, now)
                 return (1.0 - level) / self.rate
-            self._buckets[key] = (level - 1.0, now)
-            if len(self._buckets) > self.MAX_KEYS:
-                self._forget_idle(now)
+            self._store(key, level - 1.0, now)
             return None
 
     def waiting(self, key: str) -> float | None:
         """Seconds until `key`'s bucket holds a token, None if it holds one now; spends nothing."""
         if self.rate <= 0:
             return None
-        now = self.clock()
         with self._lock:
-            level, then = self._buckets.get(key, (self.burst, now))
-            level = min(self.burst, level + (now - then) * self.rate)
-            return None if level >= 1.0 else (1.0 - level) / self.rate
+            level, _ = self._level(key)
+        return None if level >= 1.0 else (1.0 - level) / self.rate
 
     def spend(self, key: str) -> None:
         """Spend one token of `key`'s bucket for something already done (an empty bucket stays empty)."""
         if self.rate <= 0:
             return
-        now = self.clock()
         with self._lock:
-            level, then = self._buckets.get(key, (self.burst, now))
-            self._buckets[key] = (max(0.0, min(self.burst, level + (now - then) * self.rate) - 1.0), now)
-            if len(self._buckets) > self.MAX_KEYS:
-                self._forget_idle(now)
+            level, now = self._level(key)
+            self._store(key, max(0.0, level - 1.0), now)
+
+    def _level(self, key: str) -> tuple[float, float]:
+        """`key`'s tokens now (refilled since its last use), and now; under the lock."""
+        now = self.clock()
+        level, then = self._buckets.get(key, (self.burst, now))
+        return min(self.burst, level + (now - then) * self.rate), now
+
+    def _store(self, key: str, level: float, now: float) -> None:
+        self._buckets[key] = (level, now)
+        if len(self._buckets) > self.MAX_KEYS:
+            self._forget_idle(now)
 
     def _forget_idle(self, now: float) -> None:
         idle = [k for k, (lv, t) in self._buckets.items() if lv + (now - t) * self.rate >= self.burst]

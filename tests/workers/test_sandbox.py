@@ -149,6 +149,7 @@ def test_torch_compile_builds_and_caches_inside(settings: Settings, sessions: se
 def test_sandbox_off_runs_unsandboxed_and_the_timeline_says_so(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
+    # Off on purpose: what this test checks is the operator's off switch and the timeline's word on it.
     off = settings.model_copy(update={"sandbox": "off"})
     job_id = _command(sessions, "python", "-c", "import os; print('uid', os.getuid())")
     assert run_attempt(job_id=job_id, settings=off) is JobStatus.SUCCEEDED
