@@ -70,6 +70,7 @@ class Reporter:
         claim_token: str,
         run_dir: Path,
         max_log_bytes: int | None = None,
+        nodes: int = 1,
     ) -> None:
         self.sessions = sessions
         self.job_id = job_id
@@ -86,6 +87,7 @@ class Reporter:
         self._final = False
         cap = max_log_bytes if max_log_bytes is not None else get_settings().max_log_bytes_per_job
         self.log_budget = LogBudget(cap=cap, job_id=job_id, attempt=attempt)
+        self.nodes = nodes  # the attempt's nodes, which share what is left of the log cap
         self._checkpoints: list[dict[str, Any]] = []
         self._deleted: list[str] = []
         self._progress_dirty = False
@@ -202,9 +204,8 @@ class Reporter:
 
     def _start_log_budget(self, session: Session) -> None:
         # Read once an attempt: what earlier attempts (and this attempt's other nodes) stored.
-        job = repository.get(session, job_id=self.job_id)
-        nodes = int(job.spec.get("resources", {}).get("nodes", 1)) if job is not None else 1
-        self.log_budget.start(stored=repository.stored_log_bytes(session, job_id=self.job_id), nodes=nodes)
+        stored = repository.stored_log_bytes(session, job_id=self.job_id)
+        self.log_budget.start(stored=stored, nodes=self.nodes)
         self._admit()
 
     def root_error(self) -> JobError | None:

@@ -242,6 +242,7 @@ def _launch(
         claim_token=run.att.token,
         run_dir=paths.run_dir,
         max_log_bytes=settings.max_log_bytes_per_job,
+        nodes=run.nnodes,
     )
     max_runtime = spec.max_runtime_seconds
     deadline = time.monotonic() + max_runtime if max_runtime else None
