@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -241,3 +242,12 @@ def assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: expected {a!r}, got {b!r}"
+
+
+def assert_no_process_left(job_id: str, *, within: float = 15) -> None:
+    """Wait up to `within` seconds for every process of `job_id` (ranks, their loader processes) to go."""
+    # A killed rank's loader processes notice their parent is gone within torch's 5 s status check.
+    deadline = time.monotonic() + within
+    while (left := processes_mentioning(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"expected no process of job {job_id} to remain, found {left}"

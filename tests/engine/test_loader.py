@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import copy
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.engine_fixtures import EngineRun, Launches, assert_bitwise_equal, processes_mentioning
+from tests.engine_fixtures import EngineRun, Launches, assert_bitwise_equal, assert_no_process_left
 from workers.engine.batch_loader import Batches, fixed_batch_sampler, loader_options, map_loader
 from workers.engine.batch_sampler import GlobalBatchSampler
 from workers.engine.stream_batches import StreamBatch
@@ -72,15 +71,7 @@ def test_a_kill_mid_epoch_resumes_bitwise_with_loader_processes(
     want, got = full.checkpoint(9), resumed.checkpoint(9)
     for key in ("model", "optimizer", "iter"):
         assert_bitwise_equal(want[key], got[key], key)
-    _no_process_left(killed)
-
-
-def _no_process_left(run: EngineRun) -> None:
-    # A killed rank's loader processes notice their parent is gone within torch's 5 s status check.
-    deadline = time.monotonic() + 15
-    while (left := processes_mentioning(run.job_id)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"expected no process of job {run.job_id} to remain, found {left}"
+    assert_no_process_left(killed.job_id)
 
 
 @pytest.mark.e2e
@@ -110,7 +101,7 @@ def test_a_sample_that_fails_to_load_fails_the_job_naming_rank_and_sample(
     rank_pid = re.search(r"pid=(\d+)", run.log(rank))
     assert rank_pid is not None and f"(pid {rank_pid.group(1)})" not in message, (message, run.log(rank))
     assert "Traceback" in run.log(rank) and f"loading sample {bad} for step {step} failed" in run.log(rank)
-    _no_process_left(run)
+    assert_no_process_left(run.job_id)
 
 
 def test_an_evaluation_loader_reads_fixed_batches_on_every_pass() -> None:

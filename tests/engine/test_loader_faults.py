@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from api_schemas import JobError
 from api_schemas.data import DataSpec
-from tests.engine_fixtures import EngineRun, processes_mentioning
+from tests.engine_fixtures import EngineRun, assert_no_process_left
 from tests.fixtures.loader_plan.loader_faults import Samples
 from workers.attempts import is_retryable
 from workers.engine.batch_loader import Batches, fixed_batch_sampler, loader_options, map_loader
@@ -255,13 +255,6 @@ def _error(run: EngineRun, rank: int) -> dict[str, Any]:
     return errors[0]
 
 
-def _no_process_left(run: EngineRun) -> None:
-    deadline = time.monotonic() + 15
-    while (left := processes_mentioning(run.job_id)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"expected no process of job {run.job_id} to remain, found {left}"
-
-
 @pytest.mark.e2e
 def test_a_tmpdir_too_deep_for_a_socket_fails_every_rank_with_the_os_error_not_a_stall(
     engine_runner: Any, make_spec: Any, tmp_path: Path
@@ -284,7 +277,7 @@ def test_a_tmpdir_too_deep_for_a_socket_fails_every_rank_with_the_os_error_not_a
         assert error["message"].startswith("AF_UNIX path too long (in rank "), error
     assert "could not send a batch to its rank" in "".join(run.log(r) for r in range(2)), run.describe()
     assert took < 90, f"the job took {took:.0f} s to fail"
-    _no_process_left(run)
+    assert_no_process_left(run.job_id)
 
 
 @pytest.mark.e2e
@@ -303,4 +296,4 @@ def test_a_loader_process_killed_mid_run_fails_its_rank_with_loader_process_died
     first = min(errors, key=lambda e: e["time"])
     assert first["error_type"] == "LoaderProcessDied", first
     assert "loader process (pid " in first["message"] and "killed by SIGKILL" in first["message"], first
-    _no_process_left(run)
+    assert_no_process_left(run.job_id)

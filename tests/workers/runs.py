@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobSpec, JobStatus
+from dptrain.workdir import pack
 from service.auth.tokens import ensure_bootstrap_admin
+from service.code.storage import archive_path
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, service
@@ -45,6 +48,15 @@ def node_fixtures() -> tuple[Any, Any]:
         return session_factory(settings)
 
     return settings, sessions
+
+
+def store_code(settings: Settings, tree: Path, work: Path) -> str:
+    """Pack `tree` and store it where `PUT /v1/code/{sha256}` would have put it; its sha256."""
+    packed = pack(tree, work / "code.tar.gz")
+    dest = archive_path(settings.artifacts, packed.sha256)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(packed.path, dest)
+    return packed.sha256
 
 
 def submit_as_admin(sessions: sessionmaker[Session], spec: dict[str, Any]) -> str:

@@ -7,7 +7,6 @@ run attempts in this process as a worker node would, on real rank processes and 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -21,15 +20,21 @@ from pydantic import SecretStr
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from dptrain.workdir import pack
 from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
-from service.code.storage import archive_path
 from service.config import Settings
 from service.jobs import repository, service
 from service.models import LogLine, Metric
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, wait_step
+from tests.workers.runs import (
+    job_row,
+    node_fixtures,
+    run_attempt,
+    run_in_thread,
+    store_code,
+    submit_as_admin,
+    wait_step,
+)
 from workers.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
@@ -41,11 +46,7 @@ SCRIPT_TREE = Path(__file__).resolve().parents[1] / "fixtures" / "ddp_script"
 @pytest.fixture(scope="module")
 def code_sha(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The script's tree, packed and stored where `PUT /v1/code/{sha256}` would have put it."""
-    packed = pack(SCRIPT_TREE, tmp_path_factory.mktemp("pack") / "code.tar.gz")
-    dest = archive_path(settings.artifacts, packed.sha256)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(packed.path, dest)
-    return packed.sha256
+    return store_code(settings, SCRIPT_TREE, tmp_path_factory.mktemp("pack"))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ process printed that and dropped the batch, and the ranks waited until the stall
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -15,10 +14,8 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from dptrain.workdir import pack
-from service.code.storage import archive_path
 from service.config import Settings
-from tests.workers.runs import job_row, node_fixtures, run_in_thread, submit_as_admin
+from tests.workers.runs import job_row, node_fixtures, run_in_thread, store_code, submit_as_admin
 from workers.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
@@ -30,11 +27,7 @@ PLAN_TREE = Path(__file__).resolve().parents[1] / "fixtures" / "loader_plan"
 @pytest.fixture(scope="module")
 def code_sha(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The plan's tree, packed and stored where `PUT /v1/code/{sha256}` would have put it."""
-    packed = pack(PLAN_TREE, tmp_path_factory.mktemp("pack") / "code.tar.gz")
-    dest = archive_path(settings.artifacts, packed.sha256)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(packed.path, dest)
-    return packed.sha256
+    return store_code(settings, PLAN_TREE, tmp_path_factory.mktemp("pack"))
 
 
 def test_a_loader_that_raises_fails_the_job_within_60_s_with_its_type(
