@@ -30,7 +30,9 @@ class Progress:
     def __init__(self, job: Job) -> None:
         # Without a total (a command that set no `hyperparameters.steps`) rich's bar pulses and the
         # count is the last reported step alone.
-        count = TextColumn("{task.completed}" + ("/{task.total}" if job.progress.total_steps else ""))
+        count = TextColumn(
+            "{task.completed}" + ("/{task.total}" if job.progress.total_steps is not None else "")
+        )
         columns = (TextColumn("{task.description}"), BarColumn(), count)
         self.bar = RichProgress(*columns, TimeElapsedColumn(), console=err, transient=True)
         self.task = self.bar.add_task(job.status.value, total=job.progress.total_steps)
