@@ -162,10 +162,8 @@ class JobSpec(Strict):
 
     @field_serializer("hyperparameters", mode="wrap")
     def _sent_hyperparameters(self, value: Hyperparameters, handler: SerializerFunctionWrapHandler):
-        # A command never reads the recipe defaults (lr, global_batch_size...): its spec stores and
-        # shows only what the user sent, so a job never displays settings it did not use. No return
-        # annotation: pydantic would take it as the field's schema, and the OpenAPI schema would lose
-        # the hyperparameters' own.
+        # A command uses none of the defaults (lr, global_batch_size...): its spec stores and shows
+        # only what was sent. No return annotation: pydantic would make it the field's OpenAPI schema.
         dumped = handler(value)
         if self.command is None or not isinstance(dumped, dict):
             return dumped
