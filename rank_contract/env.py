@@ -15,11 +15,13 @@ __all__ = [
     "CHECKPOINT_DIR_ENV",
     "CODE_DIR_ENV",
     "DATA_ROOT_ENV",
+    "EXCEPTION_FILE_ENV",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
     "RUN_DIR_ENV",
     "STOP_FILE_NAME",
     "SUPERVISOR_ENV",
+    "exception_file",
     "sdk_env",
     "stop_file",
 ]
@@ -47,11 +49,20 @@ ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
 # The runner creates RUN_DIR/STOP_FILE_NAME on cancel or deadline, `cancel_grace_seconds` before
 # it SIGTERMs the ranks: a script that polls `dptrain.should_stop()` saves and leaves in time.
 STOP_FILE_NAME = "stop"
+# Set by the command wrapper (workers/command_rank.py) for its program alone: where dptrain's
+# start-up hook in the program's interpreter (workers/rank_hook/sitecustomize.py) writes the
+# exception that ended it, as JSON (type, message, traceback, rank).
+EXCEPTION_FILE_ENV = "DPTRAIN_EXCEPTION_FILE"
 
 
 def stop_file(run_dir: str | os.PathLike[str]) -> Path:
     """The file whose existence asks the ranks of the attempt in `run_dir` to save and stop."""
     return Path(run_dir) / STOP_FILE_NAME
+
+
+def exception_file(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Where the program of rank `rank` of the attempt in `run_dir` records the exception that ended it."""
+    return Path(run_dir) / "exceptions" / f"rank{rank}.json"
 
 
 def sdk_env(
