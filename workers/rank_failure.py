@@ -69,7 +69,8 @@ def log_tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> list[str]:
 
 
 def _read_json(path: Path | str | None) -> Any:
-    if not path:
+    # A regular file only: the program made the folder, and a FIFO there would block the open forever.
+    if not path or not os.path.isfile(path):
         return None
     try:
         with open(path, "rb") as f:

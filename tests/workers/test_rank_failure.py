@@ -8,6 +8,7 @@ main file, a KeyError on rank 1 under @record; torchelastic_error.json is what @
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,8 @@ def test_a_damaged_or_foreign_file_names_nothing(tmp_path: Path, content: str) -
     assert from_hook_file(path) is None
     assert from_torchelastic_file(str(path)) is None
     assert from_hook_file(tmp_path / "missing.json") is None and from_torchelastic_file(None) is None
+    os.mkfifo(tmp_path / "fifo.json")  # the program's own: opening it would wait for a writer forever
+    assert from_hook_file(tmp_path / "fifo.json") is None
 
 
 def _hook(run_dir: Path, rank: int, kind: str, message: str) -> None:
