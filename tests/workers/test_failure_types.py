@@ -130,3 +130,7 @@ def test_an_exit_or_a_signal_without_a_traceback_is_retried(
     assert status is JobStatus.QUEUED and job.status == "queued", f"restarted: {error}"
     assert error.type == error_type and message in error.message, error
     assert error.rank in (0, 1) and f"rank {error.rank} " in error.message, error
+    # The one restart `max_restarts: 1` allows ends the same way, and the job fails.
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
+    job = job_row(sessions, job_id)
+    assert job.attempt == 2 and JobError.model_validate(job.error).type == error_type, job.error
