@@ -6,10 +6,11 @@ In order, the first that answers:
    uncaught exception's type, message and traceback, as JSON in rank_contract.env.exception_file;
 2. torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE), written by a program whose entry point
    carries torch.distributed.elastic.multiprocessing.errors.record (the hook can be missing: an
-   interpreter started with -I, a program that replaced sys.excepthook without chaining it);
-3. the traceback at the end of the rank's log, torch's `[rankN]: ` prefixes taken off, and the
-   header-less report of a SyntaxError in the main file (what a non-Python program that runs Python
-   prints, or any of the above gone wrong);
+   interpreter started with -I, -E or -S, a program that replaced sys.excepthook without chaining
+   it);
+3. the traceback at the end of the rank's log, torch's `[rankN]: ` prefixes taken off, or the
+   header-less report of a SyntaxError in the main file (a Python program started by a shell script
+   after another Python program took the hook's file, a hook that could not write);
 4. how the program ended: ProcessKilled (a signal) or ProcessExited (an exit code, sys.exit(3)).
 
 What is retried then depends on the type alone: workers.attempts.is_retryable.
