@@ -27,9 +27,15 @@ def _summary(job: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _where(error: dict[str, Any]) -> str:
+    """`AssertionError on rank 1`: what failed, and where (no rank: the launcher or the service)."""
+    kind, rank = error.get("type", "Failed"), error.get("rank")
+    return f"{kind} on rank {rank}" if rank is not None else str(kind)
+
+
 def _failure_text(error: dict[str, Any]) -> str:
-    rank = error.get("rank")
-    lines = [f"rank {rank}" if rank is not None else "rank: none (the launcher or the service)"]
+    where = _where(error)
+    lines = [where if error.get("rank") is not None else f"{where} (the launcher or the service)"]
     lines.append(str(error.get("message", "")))
     if error.get("traceback"):
         lines += ["", *str(error["traceback"]).splitlines()[-TRACEBACK_LINES:]]
@@ -57,7 +63,11 @@ def junit_report(job: dict[str, Any], *, elapsed: float, timed_out: bool) -> byt
         ET.SubElement(case, "error", type="Timeout", message=message).text = message
     elif status is JobStatus.FAILED:
         error = job.get("error") or {"type": "Failed", "message": "the job failed without an error report"}
-        kind, message = _clean(error.get("type", "Failed")), _clean(error.get("message", ""))
+        # The message attribute is what most CI pages show of a failure: it names the type and the rank.
+        kind, message = (
+            _clean(error.get("type", "Failed")),
+            _clean(f"{_where(error)}: {error.get('message', '')}"),
+        )
         ET.SubElement(case, "failure", type=kind, message=message).text = _clean(_failure_text(error))
     elif status is JobStatus.CANCELLED:
         message = f"cancelled at step {(job.get('progress') or {}).get('step', 0)}"

@@ -250,7 +250,8 @@ def status(job_id: str, output: Output = OUTPUT) -> None:
     for name, value in sorted(job.latest_metrics.items()):
         say(f"  {name} = {value:.6g}")
     if job.error is not None:
-        _say_error(job.error, prefix="error: ")
+        # A queued job's error is its last attempt's, which it restarts after (a start clears it).
+        _say_error(job.error, prefix="restarting after: " if job.status is JobStatus.QUEUED else "error: ")
 
 
 @app.command("list")

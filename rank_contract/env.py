@@ -15,12 +15,14 @@ __all__ = [
     "CHECKPOINT_DIR_ENV",
     "CODE_DIR_ENV",
     "DATA_ROOT_ENV",
+    "EXCEPTION_FILE_ENV",
     "FINISHED_DIR_NAME",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
     "RUN_DIR_ENV",
     "STOP_FILE_NAME",
     "SUPERVISOR_ENV",
+    "exception_file",
     "finished_file",
     "sdk_env",
     "stop_file",
@@ -53,6 +55,10 @@ STOP_FILE_NAME = "stop"
 # barrier: the rank wrapper (workers.command_rank) then takes a crash during interpreter exit for
 # what it is, a teardown fault after the work was done, rather than a failed rank.
 FINISHED_DIR_NAME = "finished"
+# Set by the command wrapper (workers/command_rank.py) for its program alone: where dptrain's
+# start-up hook in the program's interpreter (workers/rank_hook/sitecustomize.py) writes the
+# exception that ended it, as JSON (type, message, traceback, rank).
+EXCEPTION_FILE_ENV = "DPTRAIN_EXCEPTION_FILE"
 
 
 def stop_file(run_dir: str | os.PathLike[str]) -> Path:
@@ -63,6 +69,11 @@ def stop_file(run_dir: str | os.PathLike[str]) -> Path:
 def finished_file(run_dir: str | os.PathLike[str], rank: int) -> Path:
     """The file that says rank `rank` of the attempt in `run_dir` returned from `dptrain.finish()`."""
     return Path(run_dir) / FINISHED_DIR_NAME / f"rank{rank}"
+
+
+def exception_file(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Where the program of rank `rank` of the attempt in `run_dir` records the exception that ended it."""
+    return Path(run_dir) / "exceptions" / f"rank{rank}.json"
 
 
 def sdk_env(

@@ -27,7 +27,9 @@ FINISH_RETRY_SECONDS = 3600
 # Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and
 # a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
 # else -- a signal, a lost peer (Gloo/NCCL errors are RuntimeErrors), an OOM, a timeout, the
-# launcher itself -- is retried while the job has restarts left. See docs/reliability.md.
+# launcher itself -- is retried while the job has restarts left. Names are class names, as the
+# engine and a command's rank report them (workers/rank_failure.py): a subclass is listed itself.
+# See docs/reliability.md.
 NOT_RETRIED = frozenset(
     {
         "FloatingPointError",
@@ -39,9 +41,13 @@ NOT_RETRIED = frozenset(
         "IndexError",
         "AttributeError",
         "NameError",
+        "UnboundLocalError",
         "ImportError",
         "ModuleNotFoundError",
         "SyntaxError",
+        # A command's main file that does not compile (SyntaxError's own subclasses).
+        "IndentationError",
+        "TabError",
         "AssertionError",
         "NotImplementedError",
         "PermissionError",
@@ -78,7 +84,13 @@ WORKER_STOPPED = "WorkerStopped"
 
 
 def is_retryable(error: JobError) -> bool:
-    """Whether an attempt that ended with `error` may be restarted (if the job has restarts left)."""
+    """Whether an attempt that ended with `error` may be restarted (if the job has restarts left).
+
+    The one rule, for every kind of job: by the error's type alone, retried unless NOT_RETRIED names
+    it. A command job's type is the exception its program raised wherever it can be found (dptrain's
+    start-up hook, torchrun's error file, the log), else ProcessExited (an exit code: retried, the
+    program said nothing of why) or ProcessKilled (a signal: retried).
+    """
     return error.type not in NOT_RETRIED
 
 

@@ -6,13 +6,13 @@
 The job id stays on this wrapper's command line, where procs.rank_processes finds it; the user's
 program, its child, runs in the wrapper's process group, which procs.sweep_ranks kills whole.
 The program reports through the SDK (`import dptrain`) itself; this wrapper adds what only an
-outside observer can tell: its exit, as an error event when it failed.
+outside observer can tell: its exit, as an error event when it failed, typed by the exception that
+ended the program wherever one can be found (workers/rank_failure.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -26,17 +26,13 @@ from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
 from workers.clean_end import after_finish
-from workers.engine.events import TRACEBACK_TAIL_LINES, ErrorEvent, EventWriter, events_path
+from workers.engine.events import ErrorEvent, EventWriter, events_path
 from workers.engine.launch import supervisor_id
 from workers.engine.main import default_signals, own_session, redirect_output
+from workers.rank_failure import failure, program_env
 
 # Signals a rank may get directly rather than through its group; the wrapper passes them on.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# How much of the log's end is read for the traceback (40 lines of a traceback fit easily).
-_TAIL_BYTES = 64 << 10
-# The line that ends a Python traceback: `ValueError: bad`, `torch.OutOfMemoryError: ...`, `KeyboardInterrupt`
-# (dotted names are shortened to the class's, as the engine's error events name it).
-_EXCEPTION_LINE = re.compile(r"([A-Za-z_][\w.]*)(?::\s?(.*))?")
 
 
 @dataclass(frozen=True)
@@ -68,44 +64,6 @@ def program(command: Sequence[str]) -> list[str]:
     if cmd[0] in ("python", "python3"):
         cmd[0] = sys.executable
     return cmd
-
-
-def log_tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> list[str]:
-    """The last `lines` lines of the rank's log (empty if there is none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
-            data = f.read()
-    except OSError:
-        return []
-    return data.decode("utf-8", errors="replace").splitlines()[-lines:]
-
-
-def exception_in(tail: Sequence[str]) -> tuple[str, str] | None:
-    """(type, message) of the last Python traceback in `tail`, None if it holds none."""
-    starts = [i for i, line in enumerate(tail) if line.startswith("Traceback (most recent call last):")]
-    if not starts:
-        return None
-    # The frames are indented; the first line after them that is not names the exception.
-    for line in tail[starts[-1] + 1 :]:
-        if line and not line[0].isspace() and (m := _EXCEPTION_LINE.fullmatch(line.rstrip())):
-            return m.group(1).rsplit(".", 1)[-1], m.group(2) or ""
-    return None
-
-
-def failure(rank: int, returncode: int, tail: Sequence[str]) -> ErrorEvent:
-    """The error event of a program that exited with `returncode` (negative: killed by that signal)."""
-    if found := exception_in(tail):
-        error_type, message = found
-    elif returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:  # a real-time signal has no name
-            name = f"signal {-returncode}"
-        error_type, message = "ProcessKilled", f"rank {rank} was killed by {name}"
-    else:
-        error_type, message = "ProcessExited", f"rank {rank} exited with code {returncode}"
-    return ErrorEvent(rank=rank, error_type=error_type, message=message, traceback="\n".join(tail) or None)
 
 
 def watch_supervisor_group(value: str | None, *, interval: float = 1.0) -> threading.Thread | None:
@@ -154,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     try:
         # In this process group (no new session): killing the group, as torchrun and the
         # supervisor watch do, takes the program and whatever it started with it.
-        child = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        child = subprocess.Popen(cmd, env=program_env(args.run_dir, rank))
     except OSError as exc:
         missing = isinstance(exc, FileNotFoundError)
         message = f"{'command not found' if missing else 'cannot run'}: {cmd[0]} ({exc.strerror})"
@@ -178,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     if returncode == 0:
         _end(events, None, 0)
     code = 128 - returncode if returncode < 0 else returncode  # a shell's code for a killed program
-    _end(events, failure(rank, returncode, log_tail(log_path)), code)
+    _end(events, failure(rank, returncode, run_dir=args.run_dir, log_path=log_path), code)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,10 @@ PASSED_THROUGH = (
     "DPTRAIN_FAULT_*",
 )
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+# dptrain's start-up hook, first on every rank's PYTHONPATH (a folder holding only sitecustomize.py):
+# a command's Python program records the exception that ends it (workers/rank_hook/sitecustomize.py).
+# It lies in the workers package's folder, which the sandbox shows read-only (sandbox.python_paths).
+RANK_HOOK_DIR = Path(__file__).resolve().with_name("rank_hook")
 
 
 def _passed(name: str) -> bool:
@@ -62,7 +66,8 @@ def rank_environment(
     `dptrain` (rank_contract.env.sdk_env: the SDK's and the engine's variables) wins over `user`,
     whose names the spec already keeps out of what steers the worker (api_schemas/env.py); any such
     name is dropped here too. PATH starts with the worker interpreter's directory, so `python` and
-    `torchrun` are the worker's; HOME and TMPDIR (`tmp`: /tmp in the sandbox) are the attempt's own.
+    `torchrun` are the worker's; PYTHONPATH is dptrain's start-up hook, then the job's code tree;
+    HOME and TMPDIR (`tmp`: /tmp in the sandbox) are the attempt's own.
     `shared_cores`: the node has more rank slots than cores; `interface`: the network interface this
     node's peers of a multi-node attempt reach it on.
     """
@@ -77,8 +82,7 @@ def rank_environment(
         # Python caches bytecode beside the sources; the code tree is read-only and shared.
         "PYTHONDONTWRITEBYTECODE": "1",
     }
-    if code_dir is not None:
-        env["PYTHONPATH"] = str(code_dir)
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (RANK_HOOK_DIR, code_dir) if p is not None)
     if shared_cores:
         # More rank slots than cores (`dptrain up`'s default, or an operator's --slots): ranks share
         # cores. torchrun gives each rank of a multi-rank job one OpenMP thread, but a single rank one

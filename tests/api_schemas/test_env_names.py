@@ -25,6 +25,8 @@ LISTED = [
     *("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCH_HOME", "TRITON_PTXAS_PATH"),
     *("CUDA_VISIBLE_DEVICES", "CUDA_HOME", "NCCL_NET_PLUGIN", "NCCL_DEBUG_FILE", "NCCL_SOCKET_IFNAME"),
     *("DPTRAIN_DATA_ROOT", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+    # Where a rank's exception is recorded (workers/rank_failure.py): a job must not point them elsewhere.
+    *("DPTRAIN_EXCEPTION_FILE", "TORCHELASTIC_ERROR_FILE"),
 ]
 # Refused by the pattern itself: lower case (a twin some programs read), a leading `_`
 # (`_JAVA_OPTIONS`), bash's exported functions, a digit first, too long.

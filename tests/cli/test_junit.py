@@ -57,9 +57,12 @@ def test_a_failed_job_is_a_failure_with_the_rank_message_and_traceback() -> None
     assert (suite.get("failures"), suite.get("errors")) == ("1", "0")
     failure = case.find("failure")
     assert failure is not None
-    assert failure.get("type") == "RuntimeError" and failure.get("message") == message
+    assert (
+        failure.get("type") == "RuntimeError"
+        and failure.get("message") == f"RuntimeError on rank 3: {message}"
+    )
     text = failure.text or ""
-    assert text.startswith(f"rank 3\n{message}"), text
+    assert text.startswith(f"RuntimeError on rank 3\n{message}"), text
     assert text.endswith('File "train.py", line 9\nRuntimeError: boom'), text
 
 
@@ -91,5 +94,13 @@ def test_control_characters_are_dropped_and_the_rest_kept() -> None:
     assert failure is not None
     assert failure.get("type") == "BadType" and case.get("classname") == "dptrain.name"
     expected = "[31mred[0m tab\there é ✓  <tag> & done"
-    assert (failure.get("message") or "").startswith(expected), failure.get("message")
+    assert (failure.get("message") or "").startswith(f"BadType on rank 0: {expected}"), failure.get("message")
     assert expected in (failure.text or ""), failure.text
+
+
+def test_a_launcher_failure_has_no_rank() -> None:
+    error = {"type": "RendezvousFailed", "message": "the nodes did not all join", "rank": None}
+    _, case = parse(junit_report(job("failed", error=error), elapsed=1, timed_out=False))
+    failure = case.find("failure")
+    assert failure is not None and failure.get("message") == "RendezvousFailed: the nodes did not all join"
+    assert (failure.text or "").startswith("RendezvousFailed (the launcher or the service)\n"), failure.text

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from api_schemas import JobStatus
 from service.jobs import lifecycle
-from service.models import Checkpoint, LogLine, Metric
+from service.models import Checkpoint, Job, LogLine, Metric
 from tests.api_fixtures import register_node
 from tests.backends import sessions_of
 from tests.cli.conftest import dptrain
@@ -149,3 +149,23 @@ def test_status_says_where_a_queued_job_stands(api: TestClient, spec_file: Calla
     first, second = (dptrain("submit", spec_file(name=n)).stdout.strip() for n in ("one", "two"))
     text = dptrain("status", second)
     assert text.exit_code == 0 and "queued: #2 in the cpu queue" in text.stdout, text.stdout
+
+
+def test_status_names_the_error_type_and_rank_and_whether_the_job_restarts(
+    api: TestClient, job_id: str
+) -> None:
+    error = {"type": "ProcessKilled", "message": "rank 1 was killed by SIGKILL", "rank": 1, "traceback": None}
+    with sessions_of(api).begin() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.error = error
+    text = dptrain("status", job_id)
+    assert "restarting after: ProcessKilled on rank 1: rank 1 was killed by SIGKILL" in text.stdout, (
+        text.stdout
+    )
+    with sessions_of(api).begin() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.status, job.error = "failed", {**error, "type": "AssertionError", "message": "assert 64 % 3 == 0"}
+    text = dptrain("status", job_id)
+    assert "error: AssertionError on rank 1: assert 64 % 3 == 0" in text.stdout, text.stdout

@@ -117,3 +117,19 @@ def test_a_rank_error_keeps_its_rank_type_and_traceback(
     assert (error.type, error.rank) == ("RuntimeError", 1), error
     assert error.message == "injected fault at step 2", error
     assert error.traceback is not None and "raise RuntimeError" in error.traceback, error.traceback
+
+
+@pytest.mark.parametrize(
+    ("error_type", "retried"),
+    [
+        # What a command's program raised: a bug that a restart would only raise again.
+        *(
+            (t, False)
+            for t in ("AssertionError", "SyntaxError", "IndentationError", "ImportError", "KeyError")
+        ),
+        # An exit code or a signal says nothing of why; a lost peer or an OOM need not repeat.
+        *((t, True) for t in ("ProcessExited", "ProcessKilled", "RuntimeError", "OutOfMemoryError")),
+    ],
+)
+def test_the_retry_rule_is_the_error_type(error_type: str, retried: bool) -> None:
+    assert is_retryable(JobError(type=error_type, message="m", rank=1)) is retried
