@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from dptrain.errors import (
     ApiError,
     Conflict,
+    DataLeftOut,
     FieldError,
     Forbidden,
     NotFound,
@@ -65,6 +66,7 @@ __all__ = [
     "BuildContext",
     "Client",
     "Conflict",
+    "DataLeftOut",
     "FieldError",
     "Forbidden",
     "NotFound",
