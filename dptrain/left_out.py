@@ -115,8 +115,11 @@ def mb(size: int) -> str:
 
 
 def suggested_includes(paths: Iterable[str]) -> list[str]:
-    """`*.SUFFIX` patterns that would take these paths (the path itself where it has no suffix)."""
-    found = {f"*{PurePosixPath(p).suffix}" if PurePosixPath(p).suffix else p for p in paths}
+    """Patterns that would take these paths: `*.bin` for a data suffix, else the path (big by size alone)."""
+    found = set()
+    for path in paths:
+        suffix = PurePosixPath(path).suffix
+        found.add(f"*{suffix}" if suffix.lower() in DATA_SUFFIXES else path)
     return sorted(found)
 
 
