@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.left_out import DATA_MIN_BYTES, SHOWN, Include, Tally, looks_like_data
+from dptrain.left_out import DATA_MIN_BYTES, SHOWN, Include, Tally, looks_like_data, suggested_includes
 from dptrain.workdir import pack
 
 
@@ -85,3 +85,8 @@ def test_a_tally_counts_everything_and_keeps_only_the_biggest() -> None:
 )  # fmt: skip
 def test_data_is_known_by_its_suffix_or_its_size(rel: str, size: int, data: bool) -> None:
     assert looks_like_data(rel, size) is data
+
+
+def test_the_suggested_includes_are_the_data_suffixes_or_the_paths_big_by_size_alone() -> None:
+    paths = ["d/train.bin", "d/val.bin", "d/meta.pkl", "d/input.txt", "Model.PT", "README"]
+    assert suggested_includes(paths) == ["*.PT", "*.bin", "*.pkl", "README", "d/input.txt"]
