@@ -13,9 +13,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationError,
     WithJsonSchema,
+    field_serializer,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -84,7 +86,14 @@ class Hyperparameters(Strict):
     lr: float = Field(0.05, gt=0, le=100)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
-    steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps to run (ITER at the end).")
+    steps: int = Field(
+        100,
+        ge=1,
+        le=100_000_000,
+        description="Optimizer steps to run (ITER at the end). For a `command`: optional, the total that "
+        "the steps of `dptrain.report` count against in the job's progress; without it the progress is "
+        "the last reported step, with no total.",
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds model init, data and sampling.")
 
 
@@ -153,6 +162,22 @@ class JobSpec(Strict):
     max_runtime_seconds: int | None = Field(None, ge=1, le=30 * 86_400)
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=64)
+
+    @field_serializer("hyperparameters", mode="wrap")
+    def _sent_hyperparameters(self, value: Hyperparameters, handler: SerializerFunctionWrapHandler):
+        # A command uses none of the defaults (lr, global_batch_size...): its spec stores and shows
+        # only what was sent. No return annotation: pydantic would make it the field's OpenAPI schema.
+        dumped = handler(value)
+        if self.command is None or not isinstance(dumped, dict):
+            return dumped
+        sent = value.model_fields_set | set(value.model_extra or {})
+        return {k: v for k, v in dumped.items() if k in sent}
+
+    @property
+    def progress_total(self) -> int | None:
+        """The steps a job's progress counts against: a command's only when it sent `steps`."""
+        hp = self.hyperparameters
+        return hp.steps if self.command is None or "steps" in hp.model_fields_set else None
 
     @property
     def world_size(self) -> int:
@@ -277,8 +302,13 @@ def entrypoint_allowed(entrypoint: str, allowed_prefixes: Sequence[str]) -> bool
 
 
 class Progress(BaseModel):
+    """How far a job is: the last reported step, of `total_steps` when the job has a total."""
+
     step: int = 0
-    total_steps: int
+    total_steps: int | None = Field(
+        description="The steps the job runs: `hyperparameters.steps`; null for a `command` that did not "
+        "set it (its progress is the last step it reported, with no fraction)."
+    )
 
 
 class JobError(BaseModel):

@@ -92,11 +92,17 @@ class EvaluationSpec(Strict):
 
     every_steps: int = Field(100, ge=1, le=100_000_000)
     max_batches: int | None = Field(
-        None, ge=1, le=100_000_000, description="Evaluate on the first N eval batches only; null: all."
+        None,
+        ge=1,
+        le=100_000_000,
+        description="Evaluate on the first N eval batches only (of `batch_size`, or global batches); "
+        "null: all.",
     )
     batch_size: int | None = Field(
         None,
         ge=1,
         le=1_000_000,
-        description="Samples per eval batch; null: the training's global batch over the spec's world size.",
+        description="Samples per eval batch, each evaluated whole by one rank; null: global batches of "
+        "the training's global_batch_size, each split over the ranks (a local batch per rank). Either "
+        "way the samples evaluated do not depend on the world size.",
     )

@@ -26,6 +26,11 @@ plain `torchrun`) each is a harmless no-op, so the same script runs anywhere::
             )
         if dptrain.should_stop():                # cancelled or past its deadline: leave, exit code 0
             break
+    dptrain.finish()                             # every rank: barrier, then destroy the process group
+
+`finish()` is the safe teardown (docs/sdk.md, "A clean end"): once every rank is past its barrier, a
+crash of the interpreter's own exit (Gloo's teardown now and then aborts) no longer fails the job.
+`with dptrain.finishing():` around the script's work calls it when the block ends without an error.
 
 Only rank 0 (torchrun's RANK) writes: `report` and `save_checkpoint` do nothing on other ranks, so
 call them on every rank. Importing this package does not import torch; saving and loading do.
@@ -34,8 +39,10 @@ call them on every rank. Importing this package does not import torch; saving an
 from __future__ import annotations
 
 import os
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import index
 from pathlib import Path
@@ -55,7 +62,7 @@ from dptrain.errors import (
     Unplaceable,
     WaitTimeout,
 )
-from rank_contract.env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, stop_file
+from rank_contract.env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, finished_file, stop_file
 
 if TYPE_CHECKING:
     from dptrain.client import Client
@@ -77,6 +84,8 @@ __all__ = [
     "Unauthorized",
     "Unplaceable",
     "WaitTimeout",
+    "finish",
+    "finishing",
     "is_active",
     "load_checkpoint",
     "report",
@@ -234,3 +243,41 @@ def should_stop() -> bool:
     """Whether dptrain asks this run to stop (cancel or deadline): save a checkpoint and exit 0."""
     run_dir = os.environ.get(RUN_DIR_ENV)
     return stop_file(run_dir).exists() if run_dir else False
+
+
+def finish() -> None:
+    """End this rank's distributed work safely: a barrier, then destroy the process group; call it last.
+
+    On every rank, once its work is done. Harmless without a process group or outside dptrain, and
+    a second call does nothing more. Under dptrain it marks the rank finished, so that a crash of
+    the interpreter's exit after it (SIGABRT, SIGSEGV) is a warning in the job's timeline, not a
+    failed job.
+    """
+    # A process group exists only where the script imported torch.distributed: a script that never
+    # did gets no torch import (seconds) from here.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # Nobody tears the group down while a peer may still have work in flight with it: a rank
+        # destroying its connections under another's last collective can hang or abort that one.
+        dist.barrier()
+        dist.destroy_process_group()
+    # What the script printed reaches its log even if the exit that follows crashes.
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        marker = finished_file(run_dir, int(os.environ.get("RANK", "0")))
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
+@contextmanager
+def finishing() -> Iterator[None]:
+    """`with dptrain.finishing():` runs the block, then `finish()`; an exception leaves without it.
+
+    No barrier after an error: the other ranks may never reach theirs, and the error, not a hang in
+    the teardown, is what the job must report. Also a decorator: `@dptrain.finishing()`.
+    """
+    yield
+    finish()

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from api_schemas import Job
 from dptrain.client import Client
-from dptrain_cli.output import clean, emit_json, err, out
+from dptrain_cli.output import clean, emit_json, err, out, step_text
 
 SPARK = "▁▂▃▄▅▆▇█"
 # Points of each curve `watch` fetches per refresh: as many as the sparkline shows, downsampled by
@@ -28,7 +28,12 @@ class Progress:
     """A transient progress bar on stderr for `submit --wait`, updated with each changed job."""
 
     def __init__(self, job: Job) -> None:
-        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"))
+        # Without a total (a command that set no `hyperparameters.steps`) rich's bar pulses and the
+        # count is the last reported step alone.
+        count = TextColumn(
+            "{task.completed}" + ("/{task.total}" if job.progress.total_steps is not None else "")
+        )
+        columns = (TextColumn("{task.description}"), BarColumn(), count)
         self.bar = RichProgress(*columns, TimeElapsedColumn(), console=err, transient=True)
         self.task = self.bar.add_task(job.status.value, total=job.progress.total_steps)
 
@@ -69,9 +74,10 @@ def render(job: Job, curves: dict[str, list[float]]) -> RenderableType:
         (clean(job.id), "bold"), "  ", name, "  ", (job.status.value, "cyan"), f"  attempt {job.attempt}"
     )
     bar = Table.grid(padding=(0, 1))
-    bar.add_row(
-        ProgressBar(total=max(p.total_steps, 1), completed=p.step, width=40), f"{p.step}/{p.total_steps}"
-    )
+    # total=None: rich draws a pulsing bar, no fraction of a total the job does not have.
+    total = max(p.total_steps, 1) if p.total_steps is not None else None
+    label = step_text(p.step, p.total_steps) if total is not None else f"step {p.step}"
+    bar.add_row(ProgressBar(total=total, completed=p.step, width=40), label)
     rows = Table.grid(padding=(0, 2))
     for name in CURVES:
         values = curves.get(name) or []

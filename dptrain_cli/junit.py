@@ -7,6 +7,7 @@ from typing import Any
 from xml.etree import ElementTree as ET
 
 from api_schemas import JobStatus
+from dptrain_cli.output import step_text
 
 # What XML 1.0 allows in a document: a traceback can hold ANSI escapes or other control
 # characters, which no parser would read back, so they are dropped rather than escaped.
@@ -20,7 +21,7 @@ def _clean(text: object) -> str:
 
 def _summary(job: dict[str, Any]) -> str:
     progress = job.get("progress") or {}
-    step = f"{progress.get('step', 0)}/{progress.get('total_steps', '?')}"
+    step = step_text(progress.get("step", 0), progress.get("total_steps"))
     lines = [f"job {job['id']} {job['status']} at step {step}"]
     lines += [f"{name} = {value:.6g}" for name, value in sorted((job.get("latest_metrics") or {}).items())]
     return "\n".join(lines)

@@ -29,7 +29,7 @@ from dptrain.specfile import SpecFileError, load_spec
 from dptrain_cli.follow import Progress, watch_job
 from dptrain_cli.junit import junit_report
 from dptrain_cli.lazy import WithServerCommands
-from dptrain_cli.output import Output, emit_json, inert, out, say
+from dptrain_cli.output import Output, emit_json, inert, out, say, step_text
 from dptrain_cli.upload import ship_code
 
 app = typer.Typer(
@@ -221,7 +221,8 @@ def status(job_id: str, output: Output = OUTPUT) -> None:
     if (job := _fetch(output, lambda c: c.get(job_id))) is None:
         return
     p = job.progress
-    say(f"{job.id}  {job.name}  {job.status.value}  step {p.step}/{p.total_steps}  attempt {job.attempt}")
+    step = step_text(p.step, p.total_steps)
+    say(f"{job.id}  {job.name}  {job.status.value}  step {step}  attempt {job.attempt}")
     say(f"owner {job.owner}  created {job.created_at.isoformat()}")
     if job.status is JobStatus.QUEUED and (job.queued_reason or job.queue_position):
         kind = job.spec.resources.device
@@ -254,7 +255,7 @@ def list_jobs(
         p = j.progress
         # Text objects, not strings: a job's name is the user's, never markup.
         table.add_row(
-            *map(inert, (j.id, j.name, j.status.value, f"{p.step}/{p.total_steps}", j.owner)),
+            *map(inert, (j.id, j.name, j.status.value, step_text(p.step, p.total_steps), j.owner)),
             inert(j.created_at.isoformat()),
         )
     out.print(table)

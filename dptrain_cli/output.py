@@ -38,6 +38,11 @@ def clean(text: str) -> str:
     return _CONTROL.sub("", text)
 
 
+def step_text(step: int, total: int | None) -> str:
+    """`7/50`, or `7` for a job without a total (a command that set no `hyperparameters.steps`)."""
+    return f"{step}/{total}" if total is not None else str(step)
+
+
 def inert(text: str) -> Text:
     """Untrusted `text` as a rich Text (shown, never parsed as markup), control characters removed."""
     return Text(clean(text))

@@ -15,11 +15,13 @@ __all__ = [
     "CHECKPOINT_DIR_ENV",
     "CODE_DIR_ENV",
     "DATA_ROOT_ENV",
+    "FINISHED_DIR_NAME",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
     "RUN_DIR_ENV",
     "STOP_FILE_NAME",
     "SUPERVISOR_ENV",
+    "finished_file",
     "sdk_env",
     "stop_file",
 ]
@@ -47,11 +49,20 @@ ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
 # The runner creates RUN_DIR/STOP_FILE_NAME on cancel or deadline, `cancel_grace_seconds` before
 # it SIGTERMs the ranks: a script that polls `dptrain.should_stop()` saves and leaves in time.
 STOP_FILE_NAME = "stop"
+# `dptrain.finish()` leaves RUN_DIR/FINISHED_DIR_NAME/rank{RANK} once the rank is past its final
+# barrier: the rank wrapper (workers.command_rank) then takes a crash during interpreter exit for
+# what it is, a teardown fault after the work was done, rather than a failed rank.
+FINISHED_DIR_NAME = "finished"
 
 
 def stop_file(run_dir: str | os.PathLike[str]) -> Path:
     """The file whose existence asks the ranks of the attempt in `run_dir` to save and stop."""
     return Path(run_dir) / STOP_FILE_NAME
+
+
+def finished_file(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """The file that says rank `rank` of the attempt in `run_dir` returned from `dptrain.finish()`."""
+    return Path(run_dir) / FINISHED_DIR_NAME / f"rank{rank}"
 
 
 def sdk_env(

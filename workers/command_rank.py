@@ -25,6 +25,7 @@ from types import FrameType
 from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
+from workers.clean_end import after_finish
 from workers.command_args import expand_command
 from workers.engine.events import TRACEBACK_TAIL_LINES, ErrorEvent, EventWriter, events_path
 from workers.engine.launch import supervisor_id
@@ -171,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     returncode = child.wait()  # resumed after each forwarded signal (PEP 475)
+    if (clean := after_finish(args.run_dir, rank, returncode)) is not None:
+        print(f"dptrain: {clean.message}", file=sys.stderr)
+        events.emit(clean)
+        returncode = 0
     if returncode == 0:
         _end(events, None, 0)
     code = 128 - returncode if returncode < 0 else returncode  # a shell's code for a killed program

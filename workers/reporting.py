@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError
 from service.config import get_settings
-from service.jobs import repository
+from service.jobs import lifecycle, repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
 from workers.engine.events import (
@@ -24,6 +24,7 @@ from workers.engine.events import (
     FinishedEvent,
     MetricsEvent,
     StartedEvent,
+    WarningEvent,
     parse_event,
 )
 from workers.log_budget import LogBudget
@@ -49,6 +50,7 @@ class RunState:
     # A rank started training (so the rendezvous, if any, completed).
     started: bool = False
     errors: list[ErrorEvent] = field(default_factory=list)
+    warnings: list[WarningEvent] = field(default_factory=list)
     cancel_requested: bool = False
     fenced_out: bool = False
 
@@ -91,6 +93,8 @@ class Reporter:
         self._checkpoints: list[dict[str, Any]] = []
         self._deleted: list[str] = []
         self._progress_dirty = False
+        # Warnings for the timeline, noted on the entry that started this attempt.
+        self._notes: list[str] = []
 
     def collect(self, *, final: bool = False) -> int:
         """Read new lines from the ranks' files into the pending batch; returns how many there were."""
@@ -160,6 +164,10 @@ class Reporter:
             self._progress_dirty = True
         elif isinstance(event, ErrorEvent):
             self.state.errors.append(event)
+        elif isinstance(event, WarningEvent):
+            log.warning("job %s: %s", self.job_id, event.message)
+            self.state.warnings.append(event)
+            self._notes.append(event.message)
 
     def _admit(self) -> None:
         self._logs.extend(self.log_budget.admit(self._incoming, final=self._final))
@@ -169,7 +177,8 @@ class Reporter:
     def pending(self) -> bool:
         """Whether collected reports wait to be written."""
         logs = self._logs or self._incoming
-        return bool(self._metrics or logs or self._checkpoints or self._deleted or self._progress_dirty)
+        dirty = self._progress_dirty or bool(self._notes)
+        return bool(self._metrics or logs or self._checkpoints or self._deleted or dirty)
 
     def flush(self) -> bool:
         """Write the pending batch and read the cancel flag; False (batch kept) if the database failed."""
@@ -194,12 +203,15 @@ class Reporter:
                     self.state.fenced_out = True
                     session.rollback()
                     return True
+                for note in self._notes:
+                    lifecycle.note_running(session, job_id=self.job_id, attempt=self.attempt, note=note)
                 self.state.cancel_requested = repository.cancel_requested(session, job_id=self.job_id)
         except Exception:  # noqa: BLE001 - any database error: keep the batch and try again
             log.warning("job %s: reporting to the database failed; will retry", self.job_id, exc_info=True)
             return False
         self._metrics, self._logs, self._checkpoints, self._deleted = [], [], [], []
         self._progress_dirty = False
+        self._notes = []
         return True
 
     def _start_log_budget(self, session: Session) -> None:

@@ -87,7 +87,8 @@ def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
 def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
     stored = spec.model_dump(mode="json")
     # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
-    # shows is exactly what ran, whatever later versions choose as defaults.
+    # shows is exactly what ran, whatever later versions choose as defaults. (A command's are only
+    # those the user sent: it uses none of the defaults, see JobSpec's serializer.)
     if (params := spec.recipe_params()) is not None:
         stored["hyperparameters"].update(params.model_dump(mode="json"))
     job_id = uuid.uuid4().hex
@@ -114,7 +115,7 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
         "device": spec.resources.device,
         "fair_key": queue.fair_key(session, user=user, spec=spec),
         "labels": dict(spec.labels),
-        "total_steps": spec.hyperparameters.steps,
+        "total_steps": spec.progress_total,
         "max_restarts": spec.max_restarts,
         "latest_metrics": {},
         "unplaceable": never is not None,
@@ -123,7 +124,7 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
 
 
 def spec_hash(stored: dict[str, Any]) -> str:
-    """sha256 of a spec's canonical JSON (defaults filled in), so equal specs hash equal however written."""
+    """sha256 of a spec's canonical JSON as stored, so equal specs hash equal however written."""
     canonical = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

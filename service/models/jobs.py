@@ -85,7 +85,8 @@ class Job(Base):
     # its worker's shutdown ended (workers/attempts.py: not counted against the job).
     max_restarts: Mapped[int] = mapped_column(default=0)
     step: Mapped[int] = mapped_column(default=0)
-    total_steps: Mapped[int]
+    # NULL: a command that set no `hyperparameters.steps` (its progress is the last reported step).
+    total_steps: Mapped[int | None]
     error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     latest_metrics: Mapped[dict[str, Any]]
     cancel_requested: Mapped[bool] = mapped_column(default=False)

@@ -123,6 +123,16 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     page.click("button[type=submit]")
     expect(page.locator("#jobs")).to_be_visible()
 
+    # A command that set no hyperparameters.steps has no total: the list shows its step, no bar and
+    # no fraction (never "0/100"). 64 ranks keep it queued on this one-slot worker until cancelled.
+    script = {"name": "ui-script", "command": ["python", "-V"], "resources": {"processes_per_node": 64}}
+    r = stack.http.post("/v1/jobs", json=script)
+    assert r.status_code == 201, r.text
+    script_row = page.locator(f'tr[data-job-id="{r.json()["id"]}"]')
+    expect(script_row.locator(".progress-label")).to_have_text("step 0", timeout=10_000)
+    expect(script_row.locator(".progress")).to_have_count(0)
+    assert stack.http.post(f"/v1/jobs/{r.json()['id']}/cancel").status_code == 200
+
     # A long job takes the worker's only slot; a short one queues behind it.
     long_id = _submit(stack, "ui-long", steps=10_000_000)
     long_row = page.locator(f'tr[data-job-id="{long_id}"]')

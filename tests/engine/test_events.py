@@ -24,6 +24,7 @@ from workers.engine.events import (
     FinishedEvent,
     MetricsEvent,
     StartedEvent,
+    WarningEvent,
     events_path,
     parse_event,
 )
@@ -123,6 +124,7 @@ def _one_of_each(writer: EventWriter) -> list[Event]:
         MetricsEvent(step=5, values={"loss": 0.5, "lr": 0.1, "grad_norm": math.inf, "odd": math.nan}),
         CheckpointEvent(step=6, path="/c/x.pt", size_bytes=9, sha256="a" * 64, deleted=["/c/y.pt"]),
         FinishedEvent(step=10),
+        WarningEvent(rank=1, message="rank 1 was killed by SIGABRT after dptrain.finish()"),
     ]
     writer.emit(events[0])
     writer.emit_many(events[1:])

@@ -4,7 +4,8 @@ Each recipe's eval split is held out (not training samples) yet drawn from the t
 process (same teacher or chain), and adding it left the training data a seed gives unchanged: the
 replays below are the recipes' data code from before evaluation existed. `eval_metrics` counts right
 on hand-made cases; partial_fc, whose classifier is sharded, gives the single-process figures when
-the protocol splits the eval batches over 2 and 3 spawned gloo ranks (uneven and empty batches).
+the protocol splits the eval batches over 2 and 3 spawned gloo ranks (uneven and empty batches), and
+the engine's default evaluation (global batches split over the ranks) gives them at world 1, 2 and 3.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from api_schemas.recipes import (
 from dptrain import Plan
 from tests.engine.eval_reference import eval_batches, reference_eval
 from tests.engine.spawn import spawn_gloo
+from tests.engine_fixtures import Launches
 from workers.engine.batch_sampler import TensorDataset, mix_seed
 from workers.engine.recipes import RECIPES, cnn_bn, lstm_lm, mlp, partial_fc, sparse_embedding
 from workers.engine.recipes.eval_split import argmax_accuracy
@@ -351,3 +353,48 @@ def test_partial_fc_eval_on_ranks_equals_the_reference(world: int, tmp_path: Pat
         f"world {world}: expected 3 of 4 right (tie -> class 0), got {correct}/{count}"
     )
     assert abs(loss - want) <= 1e-12, f"world {world}: expected the mean cross-entropy {want}, got {loss}"
+
+
+# ---- the engine's default evaluation at world 1, 2 and 3 ------------------------------------------------
+
+# 26 eval samples in global batches of 12: 12 + 12 + 2, the last split 1 + 1 + 0 at world 3, where the
+# sharded classifier's third rank evaluates an empty batch for the others' collectives.
+SPLIT_EVAL = {"num_classes": 7, "dataset_size": 48, "eval_size": 26}
+# Each rank's part of a global batch has another size at each world size, so its float32 mean loss
+# rounds differently: ~1.2e-7 relative of losses ~2 (measured: within 1.2e-7, weights' differences
+# included). 1e-6 keeps a margin and is far below what evaluating other samples moves (18 of the 26 at
+# world 2 when the default batch was the local one: 4.7e-2).
+SPLIT_TOLERANCE = 1e-6
+
+
+@pytest.mark.e2e  # torchrun
+def test_default_evaluation_is_equal_at_world_1_2_and_3(launched: Launches, make_spec: Any) -> None:
+    spec = make_spec(
+        hyperparameters={"global_batch_size": 12, "steps": 4, **SPLIT_EVAL},
+        evaluation={"every_steps": 2, "max_batches": 3},  # batch_size unset: global batches
+    )
+    spec["recipe"] = "partial_fc"
+    runs = {w: launched.torchrun(spec, w) for w in (1, 2, 3)}
+    figures = {
+        w: {
+            e["step"]: e["values"]
+            for e in r.events(0)
+            if e["type"] == "metrics" and "eval/loss" in e["values"]
+        }
+        for w, r in runs.items()
+    }
+    assert sorted(figures[1]) == [2, 4], figures[1]
+    for w in (2, 3):
+        for step, want in figures[1].items():
+            got = figures[w][step]
+            print(f"partial_fc world {w} step {step}: {got} vs world 1 {want}")
+            assert got.keys() == want.keys() == {"eval/loss", "eval/accuracy"}, got
+            for name, value in want.items():
+                assert abs(got[name] - value) <= SPLIT_TOLERANCE, (
+                    f"world {w} step {step} {name}: {got} vs {want}"
+                )
+    plan = _plan("partial_fc", seed=1234, **SPLIT_EVAL)
+    plan.model.load_state_dict(runs[1].checkpoint(4)["model"])
+    want = reference_eval(plan, batch_size=12, max_batches=3)  # all 26 samples
+    for name, value in want.items():
+        assert abs(figures[1][4][name] - value) <= TOLERANCE, f"{name}: expected {value}, got {figures[1][4]}"

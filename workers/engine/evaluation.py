@@ -1,14 +1,23 @@
 """Evaluation on the plan's eval dataset: exact sums and counts over an eval set split across ranks.
 
-The eval set is cut, in order, into batches of a fixed size that does not depend on the world size;
-batch i is evaluated by rank i % W. Each batch is computed exactly as it would be at any other world
-size (same samples, same weights), every rank adds `loss * samples` and each metric's (sum, count) in
-float64, and one allreduce adds the ranks' totals. So the figures are the same at 1, 2 or 3 ranks,
-however unevenly the batches fall, up to the order of that last float64 sum.
+The eval set is cut, in order, into batches whose size does not depend on the world size, and only
+the first `max_batches` are used, so the samples evaluated are the same at 1, 2 or 3 ranks. Two cuts:
+
+- split (the default, `evaluation.batch_size` null): global batches of the training's global batch
+  size, each split over the ranks at run time, rank r evaluating its contiguous part (as torch's
+  `tensor_split` cuts: the first `n % W` ranks one sample more), so a rank holds about a local batch,
+  as in training. A batch's per-sample figures are the same however it is split; only the rounding of
+  each part's mean loss differs between world sizes (float32 when the plan computes in float32).
+- fixed (`evaluation.batch_size` set): batches of that size, batch i evaluated whole by rank i % W.
+  Each batch is computed exactly as at any other world size (same samples, same weights).
+
+Every rank adds `loss * samples` and each metric's (sum, count) in float64, and one allreduce adds the
+ranks' totals. So the figures are the same at 1, 2 or 3 ranks, however unevenly the batches fall: in
+fixed mode up to the order of that last float64 sum, in split mode up to the rounding of per-part means.
 
 Plans with sharded parameters run collectives inside their forward and loss (a model-parallel
-classifier): there every rank takes part in every round, a rank without a batch left evaluating an
-empty one that adds nothing.
+classifier): there every rank takes part in every round, a rank without samples in a round (a split
+batch smaller than the world, or no fixed batch left) evaluating an empty one that adds nothing.
 """
 
 from __future__ import annotations
@@ -53,12 +62,13 @@ class Evaluator:
         batch_size: int,
         max_batches: int | None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+        split: bool = False,
         loader_options: dict[str, Any] | None = None,
     ) -> None:
         self.plan, self.env, self.device, self.autocast = plan, env, device, autocast
         # `batch(indices, device)` form, for the empty batches of lockstep rounds.
         self.dataset = batch_source(dataset, plan.collate_fn)
-        self.batch_size = batch_size
+        self.batch_size, self.split = batch_size, split
         size = len(dataset)
         if size < 1:
             raise ValueError("the plan's eval_dataset is empty")
@@ -68,25 +78,33 @@ class Evaluator:
         # Collectives inside the model: every rank steps through every round (see the module docstring).
         self.lockstep = bool(plan.sharded)
         # One loader for every evaluation, so persistent loader processes (data.persistent_workers)
-        # stay between them; None where this rank has no batch at all.
-        mine = [self._indices(i) for i in self.my_batches() if i >= 0]
+        # stay between them; None where this rank has no samples at all.
+        mine = [torch.arange(a, b, dtype=torch.long) for a, b in self.my_parts() if b > a]
         self.loader = (
             map_loader(dataset, plan.collate_fn, fixed_batch_sampler(mine), loader_options or {})
             if mine
             else None
         )
 
-    def _indices(self, i: int) -> torch.Tensor:
+    def _batch(self, i: int) -> tuple[int, int]:
         start = i * self.batch_size
-        return torch.arange(start, min(start + self.batch_size, self.size), dtype=torch.long)
+        return start, min(start + self.batch_size, self.size)
 
-    def my_batches(self) -> list[int]:
-        """The eval batches this rank computes (round robin), padded with -1 (empty) in lockstep mode."""
-        mine = list(range(self.env.rank, self.batches, self.env.world_size))
+    def my_parts(self) -> list[tuple[int, int]]:
+        """The [start, stop) sample ranges this rank evaluates, in order; in lockstep mode one per round.
+
+        Split: its part of every batch, empty where a batch has fewer samples than ranks (left out
+        unless lockstep). Fixed: batches rank, rank + W, ... whole, padded in lockstep mode with empty
+        ones to the number of rounds.
+        """
+        rank, world = self.env.rank, self.env.world_size
+        if self.split:
+            parts = [_part(*self._batch(i), rank, world) for i in range(self.batches)]
+            return parts if self.lockstep else [(a, b) for a, b in parts if b > a]
+        parts = [self._batch(i) for i in range(rank, self.batches, world)]
         if self.lockstep:
-            rounds = math.ceil(self.batches / self.env.world_size)
-            mine += [-1] * (rounds - len(mine))
-        return mine
+            parts += [(0, 0)] * (math.ceil(self.batches / world) - len(parts))
+        return parts
 
     def run(self, model: nn.Module) -> dict[str, float]:
         """Evaluate `model` (the bare module) in eval mode without grad; back to train mode after."""
@@ -111,20 +129,19 @@ class Evaluator:
         return totals
 
     def _add_up(self, model: nn.Module, totals: dict[str, torch.Tensor], loaded: Batches | None) -> None:
-        for i in self.my_batches():
-            if i >= 0:
+        for start, stop in self.my_parts():
+            n = stop - start
+            if n > 0:
                 assert loaded is not None
-                indices, batch = self._indices(i), loaded.take()
+                batch = loaded.take()
             else:
-                indices = torch.empty(0, dtype=torch.long)
-                batch = self.dataset.batch(indices, self.device)
-            n = len(indices)
+                batch = self.dataset.batch(torch.empty(0, dtype=torch.long), self.device)
             with self.autocast():
                 loss, outputs = loss_and_outputs(self.plan, model, batch)
                 figures = self.plan.eval_metrics(outputs, batch) if self.plan.eval_metrics else {}
             if n == 0:
                 continue  # an empty lockstep batch: it ran for the collectives, it adds nothing
-            if i >= 0 and batch_size(batch) != n:
+            if batch_size(batch) != n:
                 raise ValueError(f"the eval dataset gave {batch_size(batch)} samples for {n} indices")
             totals[LOSS] += torch.stack([check_loss(loss).detach().double() * n, _f64(n, self.device)])
             for name, value in figures.items():
@@ -135,14 +152,11 @@ class Evaluator:
     def _batches(self) -> Batches | None:
         if self.loader is None:
             return None
-        w = self.env.world_size
+        # Error messages name the eval batch: split, this rank has a part of each (the ones it lacks
+        # are at the end); fixed, every W-th.
+        first, every = (0, 1) if self.split else (self.env.rank, self.env.world_size)
         return Batches(
-            self.loader,
-            device=self.device,
-            rank=self.env.rank,
-            first=self.env.rank,
-            every=w,
-            label="eval batch",
+            self.loader, device=self.device, rank=self.env.rank, first=first, every=every, label="eval batch"
         )
 
     def close(self) -> None:
@@ -152,9 +166,10 @@ class Evaluator:
     def _reduce(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
         names = sorted(totals)
         if distributed.active(self.env):
-            # Rank 0 always has batch 0, so it knows every metric name the plan reports; a rank without
-            # batches knows none. Its list orders the one allreduce; a rank that saw a name rank 0 did not
-            # counts itself in slot 0, so every rank raises together instead of hanging in a collective.
+            # Rank 0 always has samples of batch 0 (its part is never the empty one), so it knows every
+            # metric name the plan reports; a rank without samples knows none. Its list orders the one
+            # allreduce; a rank that saw a name rank 0 did not counts itself in slot 0, so every rank
+            # raises together instead of hanging in a collective.
             shared: list[Any] = [names]
             dist.broadcast_object_list(shared, src=0)
             names = shared[0]
@@ -192,17 +207,17 @@ def evaluator_for(
         raise ValueError("the spec asks for evaluation but the plan has no eval_dataset")
     if isinstance(plan.eval_dataset, Stream):
         raise TypeError("eval_dataset must be map-style (len and indexing): evaluation needs a fixed set")
-    # Fixed by the spec (its local batch at its own world size), not by the world size this attempt
-    # runs at: the same batches at any world.
-    size = ev.batch_size or spec.local_batch_size()
+    # Neither cut depends on the world size this attempt runs at: the same samples at any world.
+    # By default a global batch, split over the ranks (each holds a local batch, as in training).
     return Evaluator(
         plan=plan,
         dataset=plan.eval_dataset,
         env=env,
         device=device,
-        batch_size=size,
+        batch_size=ev.batch_size or spec.hyperparameters.global_batch_size,
         max_batches=ev.max_batches,
         autocast=autocast,
+        split=ev.batch_size is None,
         loader_options=loader_options(spec.data, device, seed=spec.hyperparameters.seed, persistent=True),
     )
 
@@ -222,6 +237,13 @@ def _sum_count(name: str, value: Any) -> tuple[Any, Any]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError(f"eval_metrics[{name!r}] must be a (sum, count) pair, got {type(value).__name__}")
     return value[0], value[1]
+
+
+def _part(start: int, stop: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s contiguous share of [start, stop) split over `world` ranks, as `tensor_split` cuts."""
+    size, extra = divmod(stop - start, world)
+    first = start + rank * size + min(rank, extra)
+    return first, first + size + (rank < extra)
 
 
 def _f64(value: Any, device: torch.device) -> torch.Tensor:

@@ -80,8 +80,17 @@ class ErrorEvent(_Event):
     traceback: str | None = None
 
 
+class WarningEvent(_Event):
+    """What the job's timeline should say about a rank that did not fail (a crash after its clean end)."""
+
+    type: Literal["warning"] = "warning"
+    rank: int
+    message: str
+
+
 Event = Annotated[
-    StartedEvent | MetricsEvent | CheckpointEvent | FinishedEvent | ErrorEvent, Field(discriminator="type")
+    StartedEvent | MetricsEvent | CheckpointEvent | FinishedEvent | ErrorEvent | WarningEvent,
+    Field(discriminator="type"),
 ]
 _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
 

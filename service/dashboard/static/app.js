@@ -67,6 +67,10 @@ function badge(status) {
 }
 
 function progressBar(p) {
+  // No total (a command that set no hyperparameters.steps): the last reported step, no bar or fraction.
+  if (p.total_steps === null || p.total_steps === undefined) {
+    return el("span", { class: "progress-wrap" }, el("span", { class: "progress-label", text: `step ${p.step}` }));
+  }
   const frac = p.total_steps ? Math.min(1, p.step / p.total_steps) : 0;
   const bar = el("span");
   bar.style.width = `${(frac * 100).toFixed(1)}%`;
