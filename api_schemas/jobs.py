@@ -127,7 +127,10 @@ class JobSpec(Strict):
         min_length=1,
         max_length=256,
         description='A program started on every rank under torchrun, e.g. `["python", "train.py"]`; '
-        "a leading `python` is the worker's interpreter. Its exit codes decide the job's result.",
+        "a leading `python` is the worker's interpreter. Its exit codes decide the job's result. No shell "
+        "runs it: `$VAR` stays as written, but `$(NAME)` in an argument is the rank's variable NAME "
+        "(`--data=$(DPTRAIN_DATA_ROOT)/x`; as in Kubernetes, `$$` is one `$` and an unset NAME stays "
+        "as written).",
     )
     code: CodeRef | None = Field(
         None, description="The uploaded working directory: the ranks' working directory and PYTHONPATH."

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from dptrain.errors import (
     ApiError,
     Conflict,
+    DataLeftOut,
     FieldError,
     Forbidden,
     NotFound,
@@ -72,6 +73,7 @@ __all__ = [
     "BuildContext",
     "Client",
     "Conflict",
+    "DataLeftOut",
     "FieldError",
     "Forbidden",
     "NotFound",

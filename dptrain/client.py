@@ -21,8 +21,9 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,7 +40,8 @@ from api_schemas import (
     LogPage,
     MetricSeries,
 )
-from dptrain.errors import Unplaceable, WaitTimeout, api_error
+from dptrain.errors import DataLeftOut, Unplaceable, WaitTimeout, api_error
+from dptrain.left_out import LeftOut, data_warning
 from dptrain.settings import ClientSettings
 from dptrain.specfile import load_spec
 from dptrain.workdir import Packed, pack
@@ -67,13 +69,14 @@ class CodeTooLarge(ValueError):
 
 @dataclass(frozen=True)
 class CodeUpload:
-    """A working directory as shipped: its archive's sha256 and size, and whether it was sent now."""
+    """A working directory as shipped: its sha256 and size, whether it was sent now, what it left out."""
 
     sha256: str
     size_bytes: int
     files: int
     skipped: list[tuple[str, str]]
     uploaded: bool
+    left_out: LeftOut = field(default_factory=LeftOut)
 
 
 class Client:
@@ -159,11 +162,13 @@ class Client:
         workdir: str | os.PathLike[str] | None = None,
         idempotency_key: str | None = None,
         max_code_bytes: int | None = None,
+        include: Sequence[str] = (),
     ) -> Job:
         """Submit a job (a JobSpec, a dict, or a YAML/JSON file), with `workdir` uploaded as its code.
 
         Sent under an Idempotency-Key (one of its own unless given) that a retry reuses: one call
         never makes two jobs. The answer's `warnings` say, e.g., that no live node can hold it.
+        `include` (upload_code) takes ignored files; ignored data or weights left out warn DataLeftOut.
         """
         if isinstance(spec, JobSpec):
             body = spec.model_dump(mode="json", exclude_unset=True)
@@ -172,7 +177,10 @@ class Client:
         else:
             body = load_spec(Path(spec))
         if workdir is not None:
-            body["code"] = {"sha256": self.upload_code(workdir, max_bytes=max_code_bytes).sha256}
+            code = self.upload_code(workdir, max_bytes=max_code_bytes, include=include)
+            if (said := data_warning(code.left_out, os.fspath(workdir))) is not None:
+                warnings.warn(said, DataLeftOut, stacklevel=2)
+            body["code"] = {"sha256": code.sha256}
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate(self._json("POST", "/v1/jobs", json=body, headers=headers))
 
@@ -340,21 +348,26 @@ class Client:
             r = self.http.put(f"/v1/code/{sha256}", content=_chunks(f), headers=headers)
         return self._check(r).status_code == 201
 
-    def upload_code(self, workdir: str | os.PathLike[str], *, max_bytes: int | None = None) -> CodeUpload:
+    def upload_code(
+        self, workdir: str | os.PathLike[str], *, max_bytes: int | None = None, include: Sequence[str] = ()
+    ) -> CodeUpload:
         """Pack `workdir` (minus .gitignore/.dptrainignore) and upload it unless the server has it.
 
-        Raises CodeTooLarge, before sending anything, if the archive is over `max_bytes` or the
-        server's limit.
+        `include`: .gitignore-style patterns, relative to `workdir`, taking files the ignore files
+        leave out (ValueError for a bad one); the result's `left_out` says what stayed out. Raises
+        CodeTooLarge, before sending anything, if the archive is over `max_bytes` or the server's limit.
         """
         with tempfile.TemporaryDirectory(prefix="dptrain-code-") as tmp:
-            packed = pack(Path(workdir), Path(tmp) / "code.tar.gz")
+            packed = pack(Path(workdir), Path(tmp) / "code.tar.gz", include=include)
             if max_bytes is not None and packed.size_bytes > max_bytes:
                 raise CodeTooLarge(packed, limit=max_bytes, by_server=False)
             held, server_max = self.code_status(packed.sha256)
             if not held and server_max is not None and packed.size_bytes > server_max:
                 raise CodeTooLarge(packed, limit=server_max, by_server=True)
             uploaded = not held and self.upload_archive(packed.sha256, packed.path)
-        return CodeUpload(packed.sha256, packed.size_bytes, packed.files, packed.skipped, uploaded)
+        return CodeUpload(
+            packed.sha256, packed.size_bytes, packed.files, packed.skipped, uploaded, packed.left_out
+        )
 
     def download_code(self, sha256: str, dest: Path) -> None:
         """GET the archive `sha256` into `dest`; ValueError (and no file) if its hash differs."""

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ApiError",
     "Conflict",
+    "DataLeftOut",
     "FieldError",
     "Forbidden",
     "NotFound",
@@ -133,3 +134,7 @@ class Unplaceable(Exception):
     def __init__(self, job: Job, timeout: float) -> None:
         super().__init__(f"job {job.id}: no live node can hold it (for {timeout:g} s)")
         self.job = job
+
+
+class DataLeftOut(UserWarning):
+    """`Client.submit(workdir=...)` left out files that look like data or weights: its ignore rules did."""

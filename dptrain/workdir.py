@@ -14,12 +14,14 @@ import io
 import os
 import stat
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from pathspec import GitIgnoreSpec
+
+from dptrain.left_out import Include, LeftOut
 
 IGNORE_FILES = (".gitignore", ".dptrainignore")
 # Left out whatever the ignore files say: version control, caches and environments are never code.
@@ -45,7 +47,11 @@ class Entry:
 
 @dataclass(frozen=True)
 class Packed:
-    """A packed archive: where it is, its sha256 and size, how many files, the biggest, what was left out."""
+    """A packed archive: where it is, its sha256 and size, how many files, the biggest, what was left out.
+
+    `skipped`: links and special files that cannot be packed, with why; `left_out`: what the ignore
+    rules and the always-excluded names dropped.
+    """
 
     path: Path
     sha256: str
@@ -53,6 +59,7 @@ class Packed:
     files: int
     largest: list[tuple[str, int]]
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    left_out: LeftOut = field(default_factory=LeftOut)
 
 
 @dataclass(frozen=True)
@@ -82,14 +89,6 @@ class _Rules:
         return False
 
 
-def _always_excluded(path: Path, name: str, is_dir: bool) -> bool:
-    return (
-        name in ALWAYS_EXCLUDED
-        or name.endswith(".pyc")
-        or (is_dir and (path / "pyvenv.cfg").exists())  # any virtual environment, whatever its name
-    )
-
-
 def _symlink_problem(root_real: str, parent_rel: str, path: Path) -> str | None:
     target = os.readlink(path)
     if os.path.isabs(target):
@@ -108,27 +107,63 @@ def _special_kind(mode: int) -> str:
     return "device" if stat.S_ISBLK(mode) else "not a regular file"
 
 
-def walk(directory: Path, skipped: list[tuple[str, str]] | None = None) -> Iterator[Entry]:
-    """Every entry the archive of `directory` holds, in archive order; what is left out goes to `skipped`."""
+def _never_key(path: Path, name: str, is_dir: bool) -> str | None:
+    """How an entry that is never packed is named in the summary (`.git/`, `*.pyc`), None if it may be."""
+    if name in ALWAYS_EXCLUDED or (is_dir and (path / "pyvenv.cfg").exists()):  # any venv, whatever its name
+        return f"{name}/" if is_dir else name
+    return "*.pyc" if name.endswith(".pyc") else None
+
+
+def walk(
+    directory: Path,
+    skipped: list[tuple[str, str]] | None = None,
+    *,
+    left_out: LeftOut | None = None,
+    include: Include | None = None,
+) -> Iterator[Entry]:
+    """Every entry the archive of `directory` holds, in archive order; what is left out goes to `skipped`.
+
+    With `left_out`, what the ignore rules and the always-excluded names drop is counted there (ignored
+    directories are then walked, sizes only); `include` takes ignored files back.
+    """
     root = Path(directory)
     root_real = os.path.realpath(root)
     found = skipped if skipped is not None else []
+    # Ignored directories are entered only to report them or to take files back from them.
+    enter_ignored = left_out is not None or include is not None
 
-    def scan(folder: Path, prefix: str, rules: _Rules) -> Iterator[Entry]:
-        rules = rules.below(folder, prefix)
+    def scan(folder: Path, prefix: str, rules: _Rules, ignored: bool) -> Iterator[Entry]:
+        # Inside an ignored directory everything is ignored, as in git: its ignore files change nothing.
+        rules = rules if ignored else rules.below(folder, prefix)
         with os.scandir(folder) as it:
             children = sorted(it, key=lambda e: e.name)
         for child in children:
             rel = f"{prefix}/{child.name}" if prefix else child.name
             path = Path(child.path)
             is_dir = child.is_dir(follow_symlinks=False)
-            if _always_excluded(path, child.name, is_dir) or rules.ignores(rel, is_dir):
+            if (never := _never_key(path, child.name, is_dir)) is not None:
+                if left_out is not None:
+                    left_out.never[never] += 1
+                continue
+            dropped = ignored or rules.ignores(rel, is_dir)
+            if is_dir:
+                if not dropped:
+                    yield Entry(rel, path, "dir")
+                    yield from scan(path, rel, rules, False)
+                elif enter_ignored and (taken := list(scan(path, rel, rules, True))):
+                    yield Entry(rel, path, "dir")  # it holds files an include pattern took
+                    yield from taken
                 continue
             st = child.stat(follow_symlinks=False)
-            if is_dir:
-                yield Entry(rel, path, "dir")
-                yield from scan(path, rel, rules)
-            elif child.is_symlink():
+            if dropped:
+                size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+                if include is None or not include.takes(rel):
+                    if left_out is not None:
+                        left_out.ignored(rel, size)
+                    continue
+                if left_out is not None:
+                    left_out.included.add(rel, size)
+            if child.is_symlink():
                 problem = _symlink_problem(root_real, prefix, path)
                 if problem:
                     found.append((rel, problem))
@@ -139,7 +174,7 @@ def walk(directory: Path, skipped: list[tuple[str, str]] | None = None) -> Itera
             else:
                 found.append((rel, _special_kind(st.st_mode)))
 
-    yield from scan(root, "", _Rules())
+    yield from scan(root, "", _Rules(), False)
 
 
 def _biggest(sizes: Iterable[tuple[str, int]], n: int) -> list[tuple[str, int]]:
@@ -200,12 +235,19 @@ class _Hashing(io.RawIOBase):
         return self.raw.write(data)
 
 
-def pack(directory: Path, out: Path) -> Packed:
-    """Write `directory` as a reproducible `.tar.gz` to `out` (never packing `out` itself)."""
+def pack(directory: Path, out: Path, *, include: Sequence[str] = ()) -> Packed:
+    """Write `directory` as a reproducible `.tar.gz` to `out` (never packing `out` itself).
+
+    `include`: .gitignore-style patterns, relative to `directory`, that take files its ignore files
+    leave out (dptrain/left_out.py); ValueError for a bad one. The result's `left_out` says what was.
+    """
     skipped: list[tuple[str, str]] = []
+    left_out = LeftOut()
+    taking = Include(include) if include else None
     out_abs = os.path.join(os.path.realpath(Path(out).parent), Path(out).name)
     out_rel = Path(os.path.relpath(out_abs, os.path.realpath(directory))).as_posix()
-    entries = [e for e in walk(directory, skipped) if e.rel != out_rel]
+    entries = [e for e in walk(directory, skipped, left_out=left_out, include=taking) if e.rel != out_rel]
+    left_out.unmatched = taking.unmatched() if taking else []
     digest = hashlib.sha256()
     with (
         open(out, "wb") as raw,
@@ -228,4 +270,5 @@ def pack(directory: Path, out: Path) -> Packed:
         files=sum(e.kind != "dir" for e in entries),
         largest=_biggest(files, LARGEST),
         skipped=skipped,
+        left_out=left_out,
     )

@@ -22,13 +22,15 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from api_schemas import Job, JobError, JobStatus
-from dptrain.client import Client, CodeTooLarge
-from dptrain.errors import ApiError, PayloadTooLarge, Refused, Unplaceable, WaitTimeout
+from dptrain.client import Client
+from dptrain.errors import ApiError, Refused, Unplaceable, WaitTimeout
+from dptrain.left_out import Include
 from dptrain.specfile import SpecFileError, load_spec
 from dptrain_cli.follow import Progress, watch_job
 from dptrain_cli.junit import junit_report
 from dptrain_cli.lazy import WithServerCommands
 from dptrain_cli.output import Output, emit_json, inert, out, say, step_text
+from dptrain_cli.upload import ship_code
 
 app = typer.Typer(
     cls=WithServerCommands, no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP."
@@ -95,37 +97,6 @@ def _say_error(error: JobError, *, stderr: bool = False, prefix: str = "") -> No
         say(error.traceback, stderr=stderr)
 
 
-def _too_big(workdir: Path, exc: CodeTooLarge) -> typer.Exit:
-    size = exc.packed.size_bytes
-    reason = str(exc) if exc.by_server else f"the archive is {size} bytes, over --max-code-bytes {exc.limit}"
-    say(f"code refused: {reason}", stderr=True)
-    say("largest paths it would upload:", stderr=True)
-    for path, size in exc.packed.largest:
-        say(f"  {decimal(size):>10}  {path}", stderr=True)
-    say(
-        f"Leave out what the job does not need with a .dptrainignore in {workdir} (.gitignore syntax).",
-        stderr=True,
-    )
-    return typer.Exit(EXIT_REFUSED)
-
-
-def _ship_code(client: Client, workdir: Path, *, max_bytes: int | None) -> str:
-    """Pack and upload `workdir` unless the server has it; its sha256. Says what it did on stderr."""
-    try:
-        code = client.upload_code(workdir, max_bytes=max_bytes)
-    except CodeTooLarge as exc:
-        raise _too_big(workdir, exc) from exc
-    except PayloadTooLarge as exc:
-        say(f"code refused: {exc.detail}", stderr=True)
-        raise typer.Exit(EXIT_REFUSED) from exc
-    # stderr: stdout holds only the job id, for `JOB=$(dptrain submit ...)`.
-    say(f"code {code.sha256[:12]} {decimal(code.size_bytes)} ({code.files} files)", stderr=True)
-    for path, why in code.skipped:
-        say(f"warning: skipped {path}: {why}", stderr=True)
-    say("code uploaded" if code.uploaded else "code already on the server", stderr=True)
-    return code.sha256
-
-
 @app.command()
 def submit(
     file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Job spec, YAML or JSON."),
@@ -135,6 +106,12 @@ def submit(
         exists=True,
         file_okay=False,
         help="Upload this directory (minus .gitignore/.dptrainignore) as the job's code.",
+    ),
+    include: list[str] = typer.Option(
+        [],
+        "--include",
+        help="With --workdir: upload files the ignore rules leave out that match PATTERN (.gitignore "
+        "syntax, relative to the workdir, e.g. '*.bin' or 'data/'). Repeatable.",
     ),
     wait: bool = typer.Option(False, "--wait", help="Follow the job to its end with a progress bar."),
     timeout: float = typer.Option(0, "--timeout", help="With --wait: give up after S seconds (exit 2)."),
@@ -165,9 +142,15 @@ def submit(
         spec = load_spec(file)
     except SpecFileError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if include and workdir is None:
+        raise typer.BadParameter("--include needs --workdir: it picks files of the uploaded tree")
+    try:
+        Include(include)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--include") from exc
     with _api() as client:
         if workdir is not None:
-            spec["code"] = {"sha256": _ship_code(client, workdir, max_bytes=max_code_bytes)}
+            spec["code"] = {"sha256": ship_code(client, workdir, max_bytes=max_code_bytes, include=include)}
         started = time.monotonic()
         job = client.submit(spec)
         emit_json(job) if output is Output.json else say(job.id)

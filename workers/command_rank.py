@@ -26,6 +26,7 @@ from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
 from workers.clean_end import after_finish
+from workers.command_args import expand_command
 from workers.engine.events import ErrorEvent, EventWriter, events_path
 from workers.engine.launch import supervisor_id
 from workers.engine.main import default_signals, own_session, redirect_output
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     redirect_output(log_path)
     events = EventWriter(events_path(args.run_dir, rank), rank)
     watch_supervisor_group(os.environ.get(SUPERVISOR_ENV))
-    cmd = program(args.command)
+    cmd = program(expand_command(args.command, os.environ))
     try:
         # In this process group (no new session): killing the group, as torchrun and the
         # supervisor watch do, takes the program and whatever it started with it.

@@ -181,3 +181,38 @@ def test_a_script_that_hangs_ends_after_the_stall_timeout_with_no_process_left(
     assert took < 10 + settings.cancel_grace_seconds + 30, f"ended {took:.0f} s after it started"
     assert rank_processes(job_id) == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if "--sleep-forever" in (p.info["cmdline"] or [])]
+
+
+def test_a_reference_in_the_command_expands_from_the_ranks_environment_without_a_shell(
+    settings: Settings, sessions: sessionmaker, tmp_path: Path
+) -> None:
+    data_root = (tmp_path / "data").resolve()
+    (data_root / "shakespeare_char").mkdir(parents=True)
+    (data_root / "shakespeare_char" / "meta.txt").write_text("vocab 65\n")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    # Reads the file its --dataset names: a `$(...)` left as written would be a FileNotFoundError.
+    (tree / "show.py").write_text(
+        "import pathlib, sys\n"
+        "dataset = sys.argv[1].removeprefix('--dataset=')\n"
+        "print('read', (pathlib.Path(dataset) / 'meta.txt').read_text().strip(), 'from', dataset)\n"
+        "print('literal', sys.argv[2])\n"
+    )
+    node = settings.model_copy(update={"data_root": data_root})
+    # torchrun would read `$$` and `${local_rank}` itself: the wrapper alone expands.
+    literal = "$$(RANK)$(NO_SUCH)${local_rank}"
+    command = ["python", "show.py", "--dataset=$(DPTRAIN_DATA_ROOT)/shakespeare_char", literal]
+    job_id = submit_as_admin(
+        sessions,
+        {
+            "name": "expand",
+            "command": command,
+            "code": {"sha256": store_code(node, tree, tmp_path)},
+            "resources": {"processes_per_node": 1},
+        },
+    )
+    ended = run_attempt(job_id=job_id, settings=node)
+    printed = [line.line for line in _logs(sessions, job_id)]
+    assert ended is JobStatus.SUCCEEDED, printed
+    assert f"read vocab 65 from {data_root}/shakespeare_char" in printed, printed
+    assert "literal $(RANK)$(NO_SUCH)${local_rank}" in printed, f"escaped and unset: as written {printed}"

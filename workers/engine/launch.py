@@ -107,7 +107,10 @@ def torchrun_command(
         # The user's program gets torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) as under
         # their own torchrun; the wrapper keeps the job id on a command line procs can find.
         run = ["torch.distributed.run", *per_node, "-m", "workers.command_rank"]
-        return [sys.executable, "-m", *run, *ids, "--", *command]
+        # torchrun reads each argument as a string.Template (`$$` becomes `$`, `${local_rank}` the
+        # local rank): doubled, every `$` reaches the wrapper as written, and only the wrapper
+        # expands (`$(NAME)`, workers/command_args.py).
+        return [sys.executable, "-m", *run, *ids, "--", *(arg.replace("$", "$$") for arg in command)]
     if device == "cpu":
         # Each forked rank runs main.py by path (runpy); its arguments below stay on the agent's
         # command line, which is where procs.rank_processes looks for the job id.
