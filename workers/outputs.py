@@ -90,21 +90,21 @@ def measure(directory: Path, limits: Limits) -> Found:
             else:
                 found.files.append((rel, info.st_size))
                 found.total_bytes += info.st_size
-                found.over = _over(found, limits, directory)
+                found.over = _over(found, limits)
                 if found.over is not None:
                     return found
     return found
 
 
-def _over(found: Found, limits: Limits, directory: Path) -> str | None:
+def _over(found: Found, limits: Limits) -> str | None:
     if found.total_bytes > limits.max_bytes:
         return (
-            f"the job's outputs ({directory}) hold at least {_size(found.total_bytes)}, over the limit "
-            f"of {_size(limits.max_bytes)} (DPTRAIN_MAX_OUTPUT_BYTES_PER_JOB)"
+            f"the job's outputs (DPTRAIN_OUTPUT_DIR) hold at least {_size(found.total_bytes)}, "
+            f"over the limit of {_size(limits.max_bytes)} (DPTRAIN_MAX_OUTPUT_BYTES_PER_JOB)"
         )
     if len(found.files) > limits.max_files:
         return (
-            f"the job's outputs ({directory}) hold more than {limits.max_files} files, over the limit "
+            f"the job's outputs (DPTRAIN_OUTPUT_DIR) hold more than {limits.max_files} files, over the limit "
             "(DPTRAIN_MAX_OUTPUT_FILES_PER_JOB)"
         )
     return None
