@@ -76,6 +76,10 @@ def _logs(sessions: sessionmaker[Session], job_id: str) -> list[LogLine]:
         return list(s.query(LogLine).filter_by(job_id=job_id).order_by(LogLine.id))
 
 
+def _logs_text(sessions: sessionmaker[Session], job_id: str) -> str:
+    return "\n".join(line.line for line in _logs(sessions, job_id))
+
+
 def _wait_gone(job_id: str, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while rank_processes(job_id) and time.monotonic() < deadline:
@@ -181,3 +185,62 @@ def test_a_script_that_hangs_ends_after_the_stall_timeout_with_no_process_left(
     assert took < 10 + settings.cancel_grace_seconds + 30, f"ended {took:.0f} s after it started"
     assert rank_processes(job_id) == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if "--sleep-forever" in (p.info["cmdline"] or [])]
+
+
+# nanoGPT's pattern: rank 0 saves into its out_dir, every rank resumes from there after a restart.
+# Attempt 1 saves, then every rank dies by SIGKILL (retried); attempt 2 finds the save and finishes.
+RESUMING_SCRIPT = """
+import os, signal
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = os.environ["DPTRAIN_OUTPUT_DIR"]
+ckpt = os.path.join(out, "ckpt.pt")
+resumed = os.path.exists(ckpt)
+dist.barrier()
+if not resumed:
+    if rank == 0:
+        with open(ckpt, "wb") as f:
+            f.write(b"state at step 3")
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+with open(ckpt, "rb") as f:
+    state = f.read()
+print(f"rank {rank} resumed from {state!r}", flush=True)
+if rank == 0:
+    os.makedirs(os.path.join(out, "final"), exist_ok=True)
+    with open(os.path.join(out, "final", "model.bin"), "wb") as f:
+        f.write(b"trained from " + state)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_resumes_from_its_output_dir_and_its_outputs_become_artifacts(
+    settings: Settings, sessions: sessionmaker, api: TestClient, tmp_path: Path
+) -> None:
+    spec = {
+        "name": "outputs",
+        "command": ["python", "-c", RESUMING_SCRIPT],
+        "resources": {"processes_per_node": 2},
+        "hyperparameters": {"steps": 1},
+        "max_restarts": 1,
+    }
+    job_id = submit_as_admin(sessions, spec)
+    # A kill by signal is retried: the job is queued for its second attempt.
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.QUEUED, _logs_text(sessions, job_id)
+    saved = hashlib.sha256(b"state at step 3").hexdigest()
+    listed = api.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]
+    assert listed == [{"path": "ckpt.pt", "size_bytes": 15, "sha256": saved}], "each attempt's end lists them"
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED, _logs_text(sessions, job_id)
+    lines = [line.line for line in _logs(sessions, job_id)]
+    assert {"rank 0 resumed from b'state at step 3'", "rank 1 resumed from b'state at step 3'"} <= set(lines)
+    final = b"trained from state at step 3"
+    listed = api.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]
+    assert listed == [
+        {"path": "ckpt.pt", "size_bytes": 15, "sha256": saved},
+        {"path": "final/model.bin", "size_bytes": len(final), "sha256": hashlib.sha256(final).hexdigest()},
+    ]
+    r = api.get(f"/v1/jobs/{job_id}/artifacts/final/model.bin")
+    assert r.status_code == 200 and r.content == final
+    assert r.headers["X-Artifact-SHA256"] == hashlib.sha256(final).hexdigest()
