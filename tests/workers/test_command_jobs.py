@@ -244,3 +244,28 @@ def test_a_script_resumes_from_its_output_dir_and_its_outputs_become_artifacts(
     r = api.get(f"/v1/jobs/{job_id}/artifacts/final/model.bin")
     assert r.status_code == 200 and r.content == final
     assert r.headers["X-Artifact-SHA256"] == hashlib.sha256(final).hexdigest()
+
+
+WRITE_2KB = "import os; open(os.environ['DPTRAIN_OUTPUT_DIR'] + '/big.bin', 'wb').write(b'x' * 2048)"
+
+
+@pytest.mark.parametrize(
+    ("then", "when"),
+    [("", "at the attempt's end"), ("; import time; time.sleep(600)", "while the ranks run")],
+)
+def test_outputs_over_the_cap_fail_the_job_unretried(
+    settings: Settings, sessions: sessionmaker, then: str, when: str
+) -> None:
+    spec = {
+        "name": "too-much",
+        "command": ["python", "-c", WRITE_2KB + then],
+        "hyperparameters": {"steps": 1},
+        "max_restarts": 1,
+    }
+    job_id = submit_as_admin(sessions, spec)
+    capped = settings.model_copy(update={"max_output_bytes_per_job": 1024})
+    assert run_attempt(job_id=job_id, settings=capped) is JobStatus.FAILED, when
+    error = JobError.model_validate(job_row(sessions, job_id).error)
+    assert error.type == "OutputTooLarge", error
+    assert "2.0 KiB (2048 bytes)" in error.message and "1.0 KiB (1024 bytes)" in error.message, error.message
+    assert job_row(sessions, job_id).attempt == 1, "not retried"
