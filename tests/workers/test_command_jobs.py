@@ -216,6 +216,12 @@ dist.destroy_process_group()
 """
 
 
+def _artifacts(api: TestClient, job_id: str) -> list[dict[str, Any]]:
+    r = api.get(f"/v1/jobs/{job_id}/artifacts")
+    assert r.status_code == 200, r.text
+    return list(r.json()["items"])
+
+
 def test_a_script_resumes_from_its_output_dir_and_its_outputs_become_artifacts(
     settings: Settings, sessions: sessionmaker, api: TestClient, tmp_path: Path
 ) -> None:
@@ -230,13 +236,13 @@ def test_a_script_resumes_from_its_output_dir_and_its_outputs_become_artifacts(
     # A kill by signal is retried: the job is queued for its second attempt.
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.QUEUED, _logs_text(sessions, job_id)
     saved = hashlib.sha256(b"state at step 3").hexdigest()
-    listed = api.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]
+    listed = _artifacts(api, job_id)
     assert listed == [{"path": "ckpt.pt", "size_bytes": 15, "sha256": saved}], "each attempt's end lists them"
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED, _logs_text(sessions, job_id)
     lines = [line.line for line in _logs(sessions, job_id)]
     assert {"rank 0 resumed from b'state at step 3'", "rank 1 resumed from b'state at step 3'"} <= set(lines)
     final = b"trained from state at step 3"
-    listed = api.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]
+    listed = _artifacts(api, job_id)
     assert listed == [
         {"path": "ckpt.pt", "size_bytes": 15, "sha256": saved},
         {"path": "final/model.bin", "size_bytes": len(final), "sha256": hashlib.sha256(final).hexdigest()},
