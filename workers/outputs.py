@@ -66,7 +66,13 @@ def _size(n: int) -> str:
 def measure(directory: Path, limits: Limits) -> Found:
     """Walk `directory` without following links; stops early once it is over `limits` (`over` says how)."""
     found = Found()
-    for root, dirs, files in os.walk(directory, followlinks=False):
+
+    def unreadable(exc: OSError) -> None:
+        # A folder the job made unreadable: said, not silently left out (the top one missing is fine).
+        if exc.filename is not None and Path(exc.filename) != directory:
+            found.skipped.append(f"{_shown(_relative(Path(exc.filename), directory))}/ (unreadable)")
+
+    for root, dirs, files in os.walk(directory, onerror=unreadable, followlinks=False):
         base = Path(root)
         for name in sorted(dirs):
             # os.walk lists a link to a folder among the folders and does not descend into it.
@@ -179,7 +185,7 @@ def record(
         for rel, _ in found.files:
             hashed = sha256_of(directory, rel)
             if hashed is None:
-                found.skipped.append(f"{rel} (no longer a regular file)")
+                found.skipped.append(f"{_shown(rel)} (unreadable, or no longer a regular file)")
                 continue
             rows.append(ArtifactRow(path=rel, size_bytes=hashed[0], sha256=hashed[1]))
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,3 +87,20 @@ def test_the_guard_measures_when_due_and_stays_over(outputs: Path) -> None:
 
 def test_output_too_large_is_not_retried() -> None:
     assert not is_retryable(JobError(type="OutputTooLarge", message="over"))
+
+
+def test_an_unreadable_folder_is_said_not_silently_dropped(
+    outputs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tests run as root, which reads every folder: refuse the listing as a chmod 000 would.
+    scandir = os.scandir
+
+    def refusing(path: Any = ".") -> Any:
+        if Path(path) == outputs / "sub":
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    found = measure(outputs, ROOMY)
+    assert "sub/ (unreadable)" in found.skipped, found.skipped
+    assert [path for path, _ in found.files] == ["ckpt.pt"]
