@@ -53,6 +53,9 @@ class Found:
     files: list[tuple[str, int]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     total_bytes: int = 0
+    # Every name the walk met (files, folders, links...): what the file limit bounds, so that a
+    # million empty folders or links cost no more to walk than a million files.
+    entries: int = 0
     over: str | None = None
 
 
@@ -74,6 +77,10 @@ def measure(directory: Path, limits: Limits) -> Found:
 
     for root, dirs, files in os.walk(directory, onerror=unreadable, followlinks=False):
         base = Path(root)
+        found.entries += len(dirs) + len(files)
+        if (over := _over(found, limits)) is not None:
+            found.over = over
+            return found
         for name in sorted(dirs):
             # os.walk lists a link to a folder among the folders and does not descend into it.
             if (base / name).is_symlink():
@@ -108,10 +115,10 @@ def _over(found: Found, limits: Limits) -> str | None:
             f"the job's outputs (DPTRAIN_OUTPUT_DIR) hold at least {_size(found.total_bytes)}, "
             f"over the limit of {_size(limits.max_bytes)} (DPTRAIN_MAX_OUTPUT_BYTES_PER_JOB)"
         )
-    if len(found.files) > limits.max_files:
+    if found.entries > limits.max_files:
         return (
-            f"the job's outputs (DPTRAIN_OUTPUT_DIR) hold more than {limits.max_files} files, over the limit "
-            "(DPTRAIN_MAX_OUTPUT_FILES_PER_JOB)"
+            f"the job's outputs (DPTRAIN_OUTPUT_DIR) hold more than {limits.max_files} files, folders "
+            "and links, over the limit (DPTRAIN_MAX_OUTPUT_FILES_PER_JOB)"
         )
     return None
 

@@ -68,6 +68,16 @@ def test_over_the_file_limit_says_so(outputs: Path) -> None:
     assert "DPTRAIN_MAX_OUTPUT_FILES_PER_JOB" in found.over
 
 
+def test_links_and_folders_count_against_the_file_limit(tmp_path: Path) -> None:
+    out = tmp_path / "outputs"
+    out.mkdir()
+    for i in range(20):
+        (out / f"link-{i}").symlink_to("/etc/hostname")
+        (out / f"dir-{i}").mkdir()
+    found = measure(out, Limits(max_bytes=1 << 20, max_files=30))
+    assert found.files == [] and found.over is not None, "no regular file, yet 40 names to walk"
+
+
 def test_a_missing_folder_holds_nothing(tmp_path: Path) -> None:
     found = measure(tmp_path / "none", ROOMY)
     assert found.files == [] and found.over is None
