@@ -1,5 +1,6 @@
 """The wire contract of dptrain's REST API v1 (pydantic v2); imports nothing else of ours."""
 
+from api_schemas.artifacts import ArtifactInfo, ArtifactList
 from api_schemas.base import MAX_PRIORITY
 from api_schemas.jobs import (
     CheckpointInfo,
@@ -29,6 +30,8 @@ from api_schemas.users import IssuedToken, UserCreate, UserInfo
 from api_schemas.workers import Worker, WorkerList
 
 __all__ = [
+    "ArtifactInfo",
+    "ArtifactList",
     "EVAL_METRICS",
     "MAX_PRIORITY",
     "EVAL_METRIC_PATTERN",

@@ -34,6 +34,7 @@ crash of the interpreter's own exit (Gloo's teardown now and then aborts) no lon
 
 Only rank 0 (torchrun's RANK) writes: `report` and `save_checkpoint` do nothing on other ranks, so
 call them on every rank. Importing this package does not import torch; saving and loading do.
+Files to keep (a final model, samples) go in `dptrain.output_dir()`: they become the job's artifacts.
 """
 
 from __future__ import annotations
@@ -62,7 +63,14 @@ from dptrain.errors import (
     Unplaceable,
     WaitTimeout,
 )
-from rank_contract.env import CHECKPOINT_DIR_ENV, KEEP_LAST_ENV, RUN_DIR_ENV, finished_file, stop_file
+from rank_contract.env import (
+    CHECKPOINT_DIR_ENV,
+    KEEP_LAST_ENV,
+    OUTPUT_DIR_ENV,
+    RUN_DIR_ENV,
+    finished_file,
+    stop_file,
+)
 
 if TYPE_CHECKING:
     from dptrain.client import Client
@@ -88,6 +96,7 @@ __all__ = [
     "finishing",
     "is_active",
     "load_checkpoint",
+    "output_dir",
     "report",
     "save_checkpoint",
     "should_stop",
@@ -237,6 +246,15 @@ def load_checkpoint() -> dict[str, Any] | None:
     with run.lock:
         loaded = run.manager().load()
     return None if loaded is None else loaded.state
+
+
+def output_dir(default: str | os.PathLike[str] = "out") -> Path:
+    """Where to write what the job keeps: its DPTRAIN_OUTPUT_DIR under dptrain, else `default`.
+
+    One folder per job, kept across its attempts (a restarted script finds what it saved there);
+    what rank 0 writes there becomes the job's artifacts. Every rank may read it.
+    """
+    return Path(os.environ.get(OUTPUT_DIR_ENV) or default)
 
 
 def should_stop() -> bool:

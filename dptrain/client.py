@@ -8,6 +8,7 @@
         for line in client.logs(job.id):
             print(line.line)
         client.download(job.id, "model.pt")
+        client.download_artifact(job.id, "final/model.bin", "model.bin")   # from DPTRAIN_OUTPUT_DIR
 
 Needs httpx and pydantic only (the light `pip install dptrain`): nothing here imports torch,
 Celery, SQLAlchemy or FastAPI. The CLI is built on it. See docs/sdk.md.
@@ -26,10 +27,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import quote
 
 import httpx
 
 from api_schemas import (
+    ArtifactInfo,
+    ArtifactList,
     CheckpointInfo,
     CheckpointList,
     Job,
@@ -323,6 +327,18 @@ class Client:
         ckpt = items[-1]
         _download(self.http, f"/v1/jobs/{job_id}/checkpoints/{ckpt.id}/download", Path(dest), ckpt.sha256)
         return ckpt
+
+    def artifacts(self, job_id: str) -> builtins.list[ArtifactInfo]:
+        """The job's artifacts: the files its DPTRAIN_OUTPUT_DIR held when its last attempt ended."""
+        return ArtifactList.model_validate(self._json("GET", f"/v1/jobs/{job_id}/artifacts")).items
+
+    def download_artifact(self, job_id: str, path: str, dest: str | os.PathLike[str]) -> ArtifactInfo:
+        """Save the artifact `path` at `dest`, checked against its sha256 as `download` checks checkpoints."""
+        found = [a for a in self.artifacts(job_id) if a.path == path]
+        if not found:
+            raise api_error(404, f"job {job_id} has no artifact {path!r}", error="NotFound")
+        _download(self.http, f"/v1/jobs/{job_id}/artifacts/{quote(path)}", Path(dest), found[0].sha256)
+        return found[0]
 
     # -- code -----------------------------------------------------------------------------------
 

@@ -302,16 +302,44 @@ def checkpoints(job_id: str, output: Output = OUTPUT) -> None:
 
 
 @app.command()
+def artifacts(job_id: str, output: Output = OUTPUT) -> None:
+    """List a job's artifacts: the files its DPTRAIN_OUTPUT_DIR held when its last attempt ended."""
+    if (items := _fetch(output, lambda c: c.artifacts(job_id))) is None:
+        return
+    table = Table("path", "size", "sha256")
+    for a in items:
+        # A path is what the job's own script named: shown, never markup.
+        table.add_row(*map(inert, (a.path, decimal(a.size_bytes), a.sha256[:12])))
+    out.print(table)
+
+
+@app.command()
 def download(
     job_id: str,
     step: int | None = typer.Option(
         None, "--step", help="The checkpoint of this step (default: the newest)."
     ),
     best: bool = typer.Option(False, "--best", help="The job's best checkpoint (checkpoint.keep_best)."),
-    dest: Path = typer.Option(..., "-o", "--out", dir_okay=False, help="Where to write the file."),
+    artifact: str | None = typer.Option(
+        None, "--artifact", help="This artifact (a path `dptrain artifacts` lists) instead of a checkpoint."
+    ),
+    dest: Path | None = typer.Option(
+        None, "-o", "--out", dir_okay=False, help="Where to write the file (an artifact: its name here)."
+    ),
     output: Output = OUTPUT,
 ) -> None:
-    """Download a checkpoint, checked against its sha256; load it with torch.load(weights_only=True)."""
+    """Download a checkpoint (or an --artifact), checked against its sha256."""
+    if artifact is not None:
+        dest = dest or Path(Path(artifact).name)
+        with _api() as client:
+            info = client.download_artifact(job_id, artifact, dest)
+        if output is Output.json:
+            emit_json({"path": str(dest), "artifact": info.model_dump(mode="json")})
+        else:
+            say(f"{dest}: {info.path}, {decimal(info.size_bytes)}, sha256 {info.sha256[:12]}")
+        return
+    if dest is None:
+        raise typer.BadParameter("a checkpoint needs -o/--out", param_hint="'-o' / '--out'")
     with _api() as client:
         ckpt = client.download(job_id, dest, step=step, best=best)
     if output is Output.json:

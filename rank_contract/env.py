@@ -19,6 +19,7 @@ __all__ = [
     "FINISHED_DIR_NAME",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
+    "OUTPUT_DIR_ENV",
     "RUN_DIR_ENV",
     "STOP_FILE_NAME",
     "SUPERVISOR_ENV",
@@ -35,6 +36,10 @@ RUN_DIR_ENV = "DPTRAIN_RUN_DIR"
 # Per job, shared by its attempts, on storage every node sees: all ranks load from it.
 CHECKPOINT_DIR_ENV = "DPTRAIN_CHECKPOINT_DIR"
 KEEP_LAST_ENV = "DPTRAIN_KEEP_LAST"
+# Per job, kept across its attempts, on the storage the checkpoints use: what rank 0 writes here
+# becomes the job's artifacts (listed and downloadable); every rank may read it, so a script with its
+# own resume logic finds what an earlier attempt saved.
+OUTPUT_DIR_ENV = "DPTRAIN_OUTPUT_DIR"
 # The operator's read-only data root on this worker (its own setting, passed to every rank): data
 # paths of a spec are relative to it (rank_contract.data.data_path).
 DATA_ROOT_ENV = "DPTRAIN_DATA_ROOT"
@@ -86,12 +91,13 @@ def sdk_env(
     supervisor: str | None,
     code_dir: str | os.PathLike[str] | None = None,
     data_root: str | os.PathLike[str] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, str]:
     """Every variable dptrain itself sets for the ranks of one node of one attempt.
 
     `supervisor` is None where the ranks cannot see the worker's pid (in the sandbox's PID namespace,
     whose --die-with-parent does that watch's work); `code_dir` and `data_root` only when the job has
-    uploaded code and the worker a data root.
+    uploaded code and the worker a data root; `output_dir` is the job's (the worker always sets it).
     """
     env = {
         JOB_ID_ENV: job_id,
@@ -100,6 +106,11 @@ def sdk_env(
         CHECKPOINT_DIR_ENV: os.fspath(checkpoint_dir),
         KEEP_LAST_ENV: str(keep_last),
     }
-    optional = {SUPERVISOR_ENV: supervisor, CODE_DIR_ENV: code_dir, DATA_ROOT_ENV: data_root}
+    optional = {
+        SUPERVISOR_ENV: supervisor,
+        CODE_DIR_ENV: code_dir,
+        DATA_ROOT_ENV: data_root,
+        OUTPUT_DIR_ENV: output_dir,
+    }
     env |= {name: os.fspath(value) for name, value in optional.items() if value is not None}
     return env

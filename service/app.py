@@ -22,6 +22,7 @@ from service.db import session_factory
 from service.dispatch import CeleryDispatcher, Dispatcher
 from service.errors import install_error_handler
 from service.headers import SecurityHeaders
+from service.jobs.artifacts_router import router as artifacts_router
 from service.jobs.poll_cache import JobPollCache, listen
 from service.jobs.router import router as jobs_router
 from service.limits import BodyLimit, TokenBuckets
@@ -106,6 +107,7 @@ def create_app(
     docs_paths = frozenset(p for p in (app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url) if p)
     app.add_middleware(SecurityHeaders, docs_paths=docs_paths)
     app.include_router(jobs_router)
+    app.include_router(artifacts_router)
     app.include_router(users_router)
     app.include_router(nodes_router)
     app.include_router(ops_router)

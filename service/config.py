@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     # past it a worker drops further lines, with a line saying so and, at the end of the attempt, one
     # counting what was dropped. One line keeps at most 8000 characters (the rest is cut, and says so).
     max_log_bytes_per_job: int = Field(64 << 20, ge=1024)
+    # The most a job's DPTRAIN_OUTPUT_DIR may hold (bytes; names: files, folders, links), checked every few
+    # seconds while its ranks run and at each attempt's end: past either the job fails
+    # (OutputTooLarge, not retried), naming the size and the limit.
+    max_output_bytes_per_job: int = Field(10 << 30, ge=1)
+    max_output_files_per_job: int = Field(10_000, ge=1)
 
     # Module prefixes whose `package.module:function` a job's `entrypoint` may name without uploaded
     # code (modules an operator installed on every worker), comma-separated.

@@ -33,8 +33,19 @@ def _no_nul(value: str) -> str:
     return value
 
 
+def _relative_path(value: str) -> str:
+    if value.startswith("/") or any(part in ("", ".", "..") for part in value.split("/")):
+        raise PydanticCustomError("relative_path", "must be a relative path without '.', '..' or empty parts")
+    return value
+
+
 # A name or id from the path or the query string.
 Text = Annotated[str, AfterValidator(_no_nul)]
 JobId = Annotated[Text, Path(description="The job's id.")]
 CheckpointId = Annotated[Int64, Path(ge=1, description="The checkpoint's id.")]
 UserPath = Annotated[Text, Path(description="The user's name.")]
+ArtifactPath = Annotated[
+    Text,
+    AfterValidator(_relative_path),
+    Path(description="The artifact's path, relative to the job's DPTRAIN_OUTPUT_DIR."),
+]

@@ -71,6 +71,9 @@ NOT_RETRIED = frozenset(
         # code. LoaderProcessDied (a signal: the OOM killer, a kill from outside) and LoaderTimeout (a
         # loader stuck, most often on a read from network storage) are retried: they need not repeat.
         "PicklingError",
+        # The job's DPTRAIN_OUTPUT_DIR is over its limits (workers/outputs.py): the same script
+        # writes the same outputs again.
+        "OutputTooLarge",
     }
 )
 

@@ -45,6 +45,11 @@ class RunPaths:
         return self.job_dir / "checkpoints"
 
     @property
+    def output_dir(self) -> Path:
+        """DPTRAIN_OUTPUT_DIR: what the job's script writes to keep, across attempts; its artifacts."""
+        return self.job_dir / "outputs"
+
+    @property
     def spec_path(self) -> Path:
         return self.run_dir / "spec.json"
 

@@ -98,6 +98,7 @@ def prepare(
     attempt: int,
     run_dir: Path,
     checkpoint_dir: Path,
+    output_dir: Path,
     unsandboxed: str | None,
     interface: str | None = None,
 ) -> RankSetup:
@@ -119,7 +120,11 @@ def prepare(
         # A root bwrap binds what the ranks need whatever its folders' modes: only an unsandboxed
         # rank must be able to walk the artifact root to its run directory.
         _hand_over(
-            run_as, settings=settings, run_dir=run_dir, checkpoint_dir=checkpoint_dir, reach=why is not None
+            run_as,
+            settings=settings,
+            run_dir=run_dir,
+            owned=(run_dir, checkpoint_dir, output_dir),
+            reach=why is not None,
         )
     ours = sdk_env(
         job_id=job_id,
@@ -131,6 +136,7 @@ def prepare(
         supervisor=supervisor_id() if why is not None else None,
         code_dir=code_dir,
         data_root=settings.data_root,
+        output_dir=output_dir,
     )
     # TMPDIR is short whatever the home's length: AF_UNIX paths (multiprocessing's) fit in 108 bytes.
     tmp = Path(sandbox.SANDBOX_TMP) if why is None else short_tmp(run_dir)
@@ -149,6 +155,7 @@ def prepare(
         box = sandbox.Box(
             run_dir=run_dir,
             checkpoint_dir=checkpoint_dir,
+            output_dir=output_dir,
             workdir=scratch.workdir,
             tmp_dir=scratch.tmp,
             code_dir=code_dir,
@@ -171,24 +178,24 @@ def _own(top: Path, uid: int, gid: int) -> None:
 
 
 def _hand_over(
-    run_as: RunAs, *, settings: Settings, run_dir: Path, checkpoint_dir: Path, reach: bool
+    run_as: RunAs, *, settings: Settings, run_dir: Path, owned: tuple[Path, ...], reach: bool
 ) -> None:
-    # The run-as user owns this attempt's run directory and the job's checkpoints (0700). With
-    # `reach` it may also pass through the artifact root, the jobs folder and this job's folder
-    # (0711: enter, not list, so other jobs' names stay hidden). Other jobs' folders are the
-    # worker's again once their attempts end (`take_back`), so their checkpoints cannot be read.
-    job_dir = checkpoint_dir.parent
+    # The run-as user owns `owned`: this attempt's run directory, the job's checkpoints and outputs
+    # (0700). With `reach` it may also pass through the artifact root, the jobs folder and this job's
+    # folder (0711: enter, not list, so other jobs' names stay hidden). Other jobs' folders are the
+    # worker's again once their attempts end (`take_back`), so their files cannot be read.
+    job_dir = run_dir.parents[1]
     for folder in (settings.artifacts, settings.artifacts / "jobs", job_dir, run_dir.parent) if reach else ():
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o711)
-    for owned in (run_dir, checkpoint_dir):
-        owned.mkdir(parents=True, exist_ok=True)
-        _own(owned, run_as.uid, run_as.gid)
+    for folder in owned:
+        folder.mkdir(parents=True, exist_ok=True)
+        _own(folder, run_as.uid, run_as.gid)
 
 
-def take_back(*, run_dir: Path, checkpoint_dir: Path | None) -> None:
+def take_back(*, run_dir: Path, checkpoint_dir: Path | None, output_dir: Path | None = None) -> None:
     """Make an ended attempt's files the worker's again, unreadable to the run-as user's later ranks."""
     uid, gid = os.getuid(), os.getgid()
-    for owned in (run_dir, checkpoint_dir):
+    for owned in (run_dir, checkpoint_dir, output_dir):
         if owned is not None and owned.exists():
             _own(owned, uid, gid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ from workers.log_budget import LogBudget
 from workers.tail import TailSet
 
 log = logging.getLogger(__name__)
+
+# How long the last reports of an attempt are retried through a database outage.
+FINAL_FLUSH_SECONDS = 300
 
 _RANK_FILE = re.compile(r"rank(\d+)\.")
 
@@ -230,3 +234,16 @@ class Reporter:
 def job_error(event: ErrorEvent) -> JobError:
     """The job's error body for a rank's error event: the one place the two shapes meet."""
     return JobError(type=event.error_type, message=event.message, rank=event.rank, traceback=event.traceback)
+
+
+def final_flush(reporter: Reporter, *, interval: float, job_id: str) -> None:
+    """Collect and report what the ranks wrote last, retrying through an outage until a deadline."""
+    reporter.collect(final=True)
+    # The last reports matter (final metrics, the last checkpoint): ride out a database restart,
+    # but not forever, so the end state still gets recorded.
+    flush_deadline = time.monotonic() + FINAL_FLUSH_SECONDS
+    while not reporter.flush():
+        if time.monotonic() > flush_deadline:
+            log.error("job %s: giving up on the last reports after %d s", job_id, FINAL_FLUSH_SECONDS)
+            break
+        time.sleep(min(5.0, interval * 4))

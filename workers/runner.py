@@ -34,16 +34,17 @@ from workers.attempts import end_abnormally, note_unsandboxed, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import Rendezvous, torchrun_command
 from workers.node_run import Attempt, NodeRun, RunPaths
+from workers.outputs import Guard, Limits
+from workers.outputs import record as record_outputs
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
-from workers.reporting import Reporter
+from workers.reporting import Reporter, final_flush
 from workers.scratch import remove_earlier, remove_scratch
 from workers.watch import Watch, stop_file, stopping
 
 log = logging.getLogger(__name__)
 
 FIRST_REPORT_POLL_SECONDS = 0.05
-FINAL_FLUSH_SECONDS = 300
 # (job, attempt) of the nodes this worker process runs right now, counted: the Celery pool's threads
 # add and remove them, the reconciler of the same process reads them (`active()`). Keyed by attempt,
 # because an ending attempt's thread and the next attempt's may overlap; counted, because a duplicate
@@ -195,6 +196,7 @@ def _supervise(
     for sub in ("logs", "events"):
         (paths.run_dir / sub).mkdir(parents=True, exist_ok=True)
     paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    paths.output_dir.mkdir(parents=True, exist_ok=True)
     if missing := missing_checkpoints(sessions, job_id=job_id, directory=paths.checkpoint_dir):
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
         error = JobError(type="CheckpointMissing", message=missing)
@@ -210,6 +212,7 @@ def _supervise(
             attempt=att.number,
             run_dir=paths.run_dir,
             checkpoint_dir=paths.checkpoint_dir,
+            output_dir=paths.output_dir,
             # Probed once per worker process, for real (the worker's start did it already).
             unsandboxed=sandbox.unavailable(settings.sandbox),
             interface=interface_of(run.address) if run.rendezvous is not None else None,
@@ -227,7 +230,12 @@ def _supervise(
         # Its ranks are gone (_launch killed what was left): only what they wrote on purpose stays.
         remove_scratch(paths.run_dir)
         if setup.run_as is not None:
-            take_back(run_dir=paths.run_dir, checkpoint_dir=paths.checkpoint_dir if run.is_primary else None)
+            primary = run.is_primary
+            take_back(
+                run_dir=paths.run_dir,
+                checkpoint_dir=paths.checkpoint_dir if primary else None,
+                output_dir=paths.output_dir if primary else None,
+            )
 
 
 def _launch(
@@ -251,6 +259,9 @@ def _launch(
         grace=settings.cancel_grace_seconds,
         stop_file=stop_file(paths.run_dir) if spec.command is not None else None,
     )
+    limits = Limits(max_bytes=settings.max_output_bytes_per_job, max_files=settings.max_output_files_per_job)
+    # Rank 0's node alone measures and records the outputs (rank 0 writes them; docs/code.md).
+    guard = Guard(paths.output_dir, limits) if run.is_primary else None
     proc = _start(settings=settings, run=run, paths=paths, setup=setup)
     sandboxed = setup.box is not None
     try:
@@ -262,12 +273,20 @@ def _launch(
             deadline=deadline,
             job_id=job_id,
             sandboxed=sandboxed,
+            guard=guard,
         )
     finally:
         kill_group(proc, sandboxed=sandboxed)
         if left := sweep_ranks(job_id, node=settings.node):
             log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
-    _final_flush(reporter, settings=settings, job_id=job_id)
+    final_flush(reporter, interval=settings.report_interval_seconds, job_id=job_id)
+    if guard is not None and watch.stopped_for != "fenced":
+        # The ranks are gone: what the outputs hold now is what this attempt leaves.
+        over = record_outputs(
+            sessions, job_id=job_id, attempt=paths.attempt, directory=paths.output_dir, limits=limits
+        )
+        if (error := over or guard.error) is not None and not reporter.state.cancel_requested:
+            return end_abnormally(sessions, att=run.att, error=error)
     return record_outcome(
         sessions,
         reporter=reporter,
@@ -336,6 +355,7 @@ def _watch(
     deadline: float | None,
     job_id: str,
     sandboxed: bool,
+    guard: Guard | None,
 ) -> None:
     """Report what the ranks write while torchrun runs, and stop them when `watch` decides to."""
     last_flush = time.monotonic()
@@ -352,14 +372,14 @@ def _watch(
             continue
         reporter.flush()
         last_flush = time.monotonic()
-        if watch.stopped_for is None and (reason := _stop_reason(reporter, watch, deadline)):
+        if watch.stopped_for is None and (reason := _stop_reason(reporter, watch, deadline, guard)):
             watch.stop(reason)
             log.info("job %s: stopping its ranks (%s)", job_id, reason)
         if watch.signal_due():
             stop_group(proc, grace=watch.kill_after(), sandboxed=sandboxed)
 
 
-def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None) -> str | None:
+def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None, guard: Guard | None) -> str | None:
     """Why the ranks must stop now, if they must; the first reason that applies wins."""
     if reporter.state.cancel_requested:
         return "cancel"
@@ -371,17 +391,6 @@ def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None) -> st
         return "deadline"
     if watch.stalled():
         return "stall"
+    if guard is not None and guard.over():
+        return "outputs"
     return None
-
-
-def _final_flush(reporter: Reporter, *, settings: Settings, job_id: str) -> None:
-    """Collect and report what the ranks wrote last, retrying through an outage until a deadline."""
-    reporter.collect(final=True)
-    # The last reports matter (final metrics, the last checkpoint): ride out a database restart,
-    # but not forever, so the end state still gets recorded.
-    flush_deadline = time.monotonic() + FINAL_FLUSH_SECONDS
-    while not reporter.flush():
-        if time.monotonic() > flush_deadline:
-            log.error("job %s: giving up on the last reports after %d s", job_id, FINAL_FLUSH_SECONDS)
-            break
-        time.sleep(min(5.0, settings.report_interval_seconds * 4))

@@ -9,7 +9,7 @@ One bwrap per node of an attempt wraps torchrun (and so every rank, whatever the
 - its own mount namespace on an empty root: the system (/usr, /etc, ...) and the worker's Python
   (its prefixes and our packages' folders, never a repository root, which may hold the default
   DPTRAIN_HOME) read-only, the job's code tree and the data root read-only, the attempt's run
-  directory and the job's checkpoints writable at their host paths (the runner's paths stay
+  directory and the job's checkpoints and outputs writable at their host paths (the runner's paths stay
   valid), /tmp backed by the run directory's `tmp/`, a fresh /proc, /dev and /dev/shm. Nothing
   else of the host: no DPTRAIN_HOME, database, token, other job's folder or host process;
 - its own IPC and UTS namespaces; the network stays (multi-node rendezvous needs it);
@@ -79,6 +79,8 @@ class Box:
     # The ranks' user when the worker is root (started as root, bwrap switches to it inside).
     uid: int | None = None
     gid: int | None = None
+    # The job's DPTRAIN_OUTPUT_DIR, writable like its checkpoints.
+    output_dir: Path | None = None
 
 
 def python_paths() -> list[Path]:
@@ -156,7 +158,7 @@ def bwrap_argv(box: Box, command: Sequence[str]) -> list[str]:
         *([box.code_dir] if box.code_dir else []),
         *([box.data_root] if box.data_root else []),
     ]
-    rw = _outermost([box.run_dir, box.checkpoint_dir])
+    rw = _outermost([box.run_dir, box.checkpoint_dir, *([box.output_dir] if box.output_dir else [])])
     binds = [("--ro-bind", p) for p in ro] + [("--bind", p) for p in rw]
     mounts: list[str] = []
     # Outer folders first: a mount inside another must come after it, or it is hidden.

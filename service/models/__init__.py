@@ -2,7 +2,15 @@
 
 from service.models.base import Base
 from service.models.code import CodeArchive, CodeUpload
-from service.models.jobs import Checkpoint, Job, JobTransition, LogLine, Metric, MetricRollup
+from service.models.jobs import (
+    Checkpoint,
+    Job,
+    JobArtifact,
+    JobTransition,
+    LogLine,
+    Metric,
+    MetricRollup,
+)
 from service.models.users import ApiToken, User
 from service.models.workers import JobNode, Worker
 
@@ -13,6 +21,7 @@ __all__ = [
     "CodeArchive",
     "CodeUpload",
     "Job",
+    "JobArtifact",
     "JobNode",
     "JobTransition",
     "LogLine",

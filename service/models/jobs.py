@@ -1,4 +1,4 @@
-"""Jobs and what their runs report: state transitions, metrics, checkpoints, log lines."""
+"""Jobs and what their runs report: state transitions, metrics, checkpoints, artifacts, log lines."""
 
 from __future__ import annotations
 
@@ -187,6 +187,22 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     # The job's best checkpoint under `checkpoint.keep_best` (at most one row of a job).
     best: Mapped[bool] = mapped_column(default=False)
+
+
+class JobArtifact(Base):
+    """A regular file of the job's DPTRAIN_OUTPUT_DIR, as the last scan after an attempt found it."""
+
+    __tablename__ = "job_artifacts"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    # Relative to the outputs directory, '/'-separated; not a key: a long path must not outgrow an index.
+    path: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    # The attempt whose end scanned it.
+    attempt: Mapped[int]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class LogLine(Base):

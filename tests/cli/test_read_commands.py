@@ -13,10 +13,12 @@ from fastapi.testclient import TestClient
 
 from api_schemas import JobStatus
 from service.jobs import lifecycle
+from service.jobs.artifacts import output_dir
 from service.models import Checkpoint, Job, LogLine, Metric
 from tests.api_fixtures import register_node
 from tests.backends import sessions_of
 from tests.cli.conftest import dptrain
+from workers.outputs import Limits, record
 
 # A traceback line a user's code may print: rich markup, a link, an escape sequence, a C1 CSI.
 HOSTILE = "KeyError: '[/]' [bold red]x[/] [link=http://evil]click[/link] \x1b]0;pwned\x07\x1b[2J\x9b31m end"
@@ -169,3 +171,24 @@ def test_status_names_the_error_type_and_rank_and_whether_the_job_restarts(
         job.status, job.error = "failed", {**error, "type": "AssertionError", "message": "assert 64 % 3 == 0"}
     text = dptrain("status", job_id)
     assert "error: AssertionError on rank 1: assert 64 % 3 == 0" in text.stdout, text.stdout
+
+
+def test_artifacts_are_listed_and_downloaded_checked(api: TestClient, job_id: str, tmp_path: Path) -> None:
+    out = output_dir(Path(api.app.state.settings.artifacts), job_id)
+    (out / "samples").mkdir(parents=True)
+    (out / "samples" / "[bold]a.txt").write_bytes(b"generated text")
+    limits = Limits(max_bytes=1 << 20, max_files=10)
+    assert record(sessions_of(api), job_id=job_id, attempt=1, directory=out, limits=limits) is None
+    r = dptrain("artifacts", job_id)
+    assert r.exit_code == 0, r.output
+    assert "samples/[bold]a.txt" in r.stdout, "a path the script named is shown as it is"
+    listed = json.loads(dptrain("artifacts", job_id, "--output", "json").stdout)
+    sha256 = hashlib.sha256(b"generated text").hexdigest()
+    assert listed == [{"path": "samples/[bold]a.txt", "size_bytes": 14, "sha256": sha256}]
+    dest = tmp_path / "got.txt"
+    r = dptrain("download", job_id, "--artifact", "samples/[bold]a.txt", "-o", dest)
+    assert r.exit_code == 0, r.output
+    assert dest.read_bytes() == b"generated text"
+    r = dptrain("download", job_id, "--artifact", "nope.bin", "-o", tmp_path / "nope")
+    assert r.exit_code == 3 and "no artifact" in r.stderr, r.output
+    assert not (tmp_path / "nope").exists()

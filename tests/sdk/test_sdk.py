@@ -130,3 +130,22 @@ def test_other_ranks_write_nothing_but_load(
     assert [e.type for e in _events(run_dir)] == ["checkpoint"]
     state = dptrain.load_checkpoint()
     assert state is not None and state["step"] == 2
+
+
+def test_output_dir_is_the_jobs_under_dptrain_and_the_default_outside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DPTRAIN_OUTPUT_DIR", raising=False)
+    assert dptrain.output_dir() == Path("out")
+    assert dptrain.output_dir(tmp_path / "mine") == tmp_path / "mine"
+    env = sdk_env(
+        job_id="job-1",
+        attempt=1,
+        run_dir=tmp_path / "run",
+        checkpoint_dir=tmp_path / "ckpt",
+        keep_last=2,
+        supervisor=None,
+        output_dir=tmp_path / "outputs",
+    )
+    monkeypatch.setenv("DPTRAIN_OUTPUT_DIR", env["DPTRAIN_OUTPUT_DIR"])
+    assert dptrain.output_dir("ignored") == tmp_path / "outputs"

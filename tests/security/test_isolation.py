@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.models import Checkpoint, LogLine, Metric
+from service.jobs.artifacts import output_dir
+from service.models import Checkpoint, JobArtifact, LogLine, Metric
 from service.scheduling.service import schedule_once
 from tests.api_fixtures import SPEC, RecordingDispatcher, add_user, as_user
 from workers.engine.checkpoint import checkpoint_name
@@ -29,7 +30,7 @@ def _job_routes(client: TestClient) -> list[tuple[str, str]]:
 
 @pytest.fixture
 def two_users(client: TestClient, db: Session, settings: Settings) -> dict[str, Any]:
-    """Alice and Bob (non-admins), each with a job that has metrics, logs and a checkpoint file."""
+    """Alice and Bob (non-admins), each with a job that has metrics, logs, a checkpoint and an artifact."""
     tokens = {"alice": add_user(db, "alice"), "bob": add_user(db, "bob")}
     jobs = {}
     for name, token in tokens.items():
@@ -39,8 +40,12 @@ def two_users(client: TestClient, db: Session, settings: Settings) -> dict[str, 
         path = settings.artifacts / "jobs" / jid / "checkpoints" / checkpoint_name(1)
         path.parent.mkdir(parents=True)
         path.write_bytes(b"weights")
+        artifact = output_dir(settings.artifacts, jid) / "model.bin"
+        artifact.parent.mkdir(parents=True)
+        artifact.write_bytes(b"model")
         db.add_all(
             [
+                JobArtifact(job_id=jid, attempt=1, path="model.bin", size_bytes=5, sha256="d" * 64),
                 Metric(job_id=jid, attempt=1, name="loss", step=1, value=1.0),
                 LogLine(job_id=jid, attempt=1, rank=0, line="hi"),
                 Checkpoint(job_id=jid, attempt=1, step=1, path=str(path), size_bytes=7, sha256="c" * 64),
@@ -53,7 +58,8 @@ def two_users(client: TestClient, db: Session, settings: Settings) -> dict[str, 
 
 
 def _url(path: str, job: dict[str, Any]) -> str:
-    return path.replace("{job_id}", job["id"]).replace("{checkpoint_id}", str(job["checkpoint"]))
+    url = path.replace("{job_id}", job["id"]).replace("{checkpoint_id}", str(job["checkpoint"]))
+    return url.replace("{path}", "model.bin")
 
 
 class TestCrossOwner:

@@ -76,6 +76,10 @@ def _logs(sessions: sessionmaker[Session], job_id: str) -> list[LogLine]:
         return list(s.query(LogLine).filter_by(job_id=job_id).order_by(LogLine.id))
 
 
+def _logs_text(sessions: sessionmaker[Session], job_id: str) -> str:
+    return "\n".join(line.line for line in _logs(sessions, job_id))
+
+
 def _wait_gone(job_id: str, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while rank_processes(job_id) and time.monotonic() < deadline:
@@ -216,3 +220,93 @@ def test_a_reference_in_the_command_expands_from_the_ranks_environment_without_a
     assert ended is JobStatus.SUCCEEDED, printed
     assert f"read vocab 65 from {data_root}/shakespeare_char" in printed, printed
     assert "literal $(RANK)$(NO_SUCH)${local_rank}" in printed, f"escaped and unset: as written {printed}"
+
+
+# nanoGPT's pattern: rank 0 saves into its out_dir, every rank resumes from there after a restart.
+# Attempt 1 saves, then every rank dies by SIGKILL (retried); attempt 2 finds the save and finishes.
+RESUMING_SCRIPT = """
+import os, signal
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+out = os.environ["DPTRAIN_OUTPUT_DIR"]
+ckpt = os.path.join(out, "ckpt.pt")
+resumed = os.path.exists(ckpt)
+dist.barrier()
+if not resumed:
+    if rank == 0:
+        with open(ckpt, "wb") as f:
+            f.write(b"state at step 3")
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+with open(ckpt, "rb") as f:
+    state = f.read()
+print(f"rank {rank} resumed from {state!r}", flush=True)
+if rank == 0:
+    os.makedirs(os.path.join(out, "final"), exist_ok=True)
+    with open(os.path.join(out, "final", "model.bin"), "wb") as f:
+        f.write(b"trained from " + state)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _artifacts(api: TestClient, job_id: str) -> list[dict[str, Any]]:
+    r = api.get(f"/v1/jobs/{job_id}/artifacts")
+    assert r.status_code == 200, r.text
+    return list(r.json()["items"])
+
+
+def test_a_script_resumes_from_its_output_dir_and_its_outputs_become_artifacts(
+    settings: Settings, sessions: sessionmaker, api: TestClient, tmp_path: Path
+) -> None:
+    spec = {
+        "name": "outputs",
+        "command": ["python", "-c", RESUMING_SCRIPT],
+        "resources": {"processes_per_node": 2},
+        "hyperparameters": {"steps": 1},
+        "max_restarts": 1,
+    }
+    job_id = submit_as_admin(sessions, spec)
+    # A kill by signal is retried: the job is queued for its second attempt.
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.QUEUED, _logs_text(sessions, job_id)
+    saved = hashlib.sha256(b"state at step 3").hexdigest()
+    listed = _artifacts(api, job_id)
+    assert listed == [{"path": "ckpt.pt", "size_bytes": 15, "sha256": saved}], "each attempt's end lists them"
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED, _logs_text(sessions, job_id)
+    lines = [line.line for line in _logs(sessions, job_id)]
+    assert {"rank 0 resumed from b'state at step 3'", "rank 1 resumed from b'state at step 3'"} <= set(lines)
+    final = b"trained from state at step 3"
+    listed = _artifacts(api, job_id)
+    assert listed == [
+        {"path": "ckpt.pt", "size_bytes": 15, "sha256": saved},
+        {"path": "final/model.bin", "size_bytes": len(final), "sha256": hashlib.sha256(final).hexdigest()},
+    ]
+    r = api.get(f"/v1/jobs/{job_id}/artifacts/final/model.bin")
+    assert r.status_code == 200 and r.content == final
+    assert r.headers["X-Artifact-SHA256"] == hashlib.sha256(final).hexdigest()
+
+
+WRITE_2KB = "import os; open(os.environ['DPTRAIN_OUTPUT_DIR'] + '/big.bin', 'wb').write(b'x' * 2048)"
+
+
+@pytest.mark.parametrize(
+    ("then", "when"),
+    [("", "at the attempt's end"), ("; import time; time.sleep(600)", "while the ranks run")],
+)
+def test_outputs_over_the_cap_fail_the_job_unretried(
+    settings: Settings, sessions: sessionmaker, then: str, when: str
+) -> None:
+    spec = {
+        "name": "too-much",
+        "command": ["python", "-c", WRITE_2KB + then],
+        "hyperparameters": {"steps": 1},
+        "max_restarts": 1,
+    }
+    job_id = submit_as_admin(sessions, spec)
+    capped = settings.model_copy(update={"max_output_bytes_per_job": 1024})
+    assert run_attempt(job_id=job_id, settings=capped) is JobStatus.FAILED, when
+    error = JobError.model_validate(job_row(sessions, job_id).error)
+    assert error.type == "OutputTooLarge", error
+    assert "2.0 KiB (2048 bytes)" in error.message and "1.0 KiB (1024 bytes)" in error.message, error.message
+    assert job_row(sessions, job_id).attempt == 1, "not retried"

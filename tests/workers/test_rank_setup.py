@@ -27,6 +27,7 @@ def prepared(settings: Settings, tmp_path: Path) -> RankSetup:
         attempt=1,
         run_dir=tmp_path / "run",
         checkpoint_dir=tmp_path / "ckpt",
+        output_dir=tmp_path / "outputs",
         unsandboxed=None,
     )
 
@@ -36,6 +37,12 @@ def data_root(tmp_path: Path) -> Path:
     root = tmp_path / "data"
     root.mkdir()
     return root
+
+
+def test_the_ranks_get_the_jobs_output_dir(tmp_path: Path) -> None:
+    setup = prepared(Settings(home=tmp_path), tmp_path)
+    assert setup.env["DPTRAIN_OUTPUT_DIR"] == str(tmp_path / "outputs")
+    assert setup.box is None or setup.box.output_dir == tmp_path / "outputs", "writable in the sandbox"
 
 
 def test_the_ranks_get_the_workers_data_root(tmp_path: Path, data_root: Path) -> None:
@@ -101,6 +108,7 @@ def test_oversubscribed_ranks_get_one_thread_each(
         attempt=1,
         run_dir=tmp_path / "run",
         checkpoint_dir=tmp_path / "ckpt",
+        output_dir=tmp_path / "outputs",
         unsandboxed=None,
     )
     assert setup.env.get("OMP_NUM_THREADS") == threads, setup.env

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from service.config import Settings
-from service.models import LogLine
+from service.models import JobArtifact, LogLine
 from tests.workers.runs import job_row, node_settings, run_attempt, submit_as_admin
 
 pytestmark = pytest.mark.e2e
@@ -76,9 +76,15 @@ def test_ranks_run_as_the_user_and_cannot_read_another_jobs_checkpoints(
     writer = _python(
         sessions,
         "import os; d = os.environ['DPTRAIN_CHECKPOINT_DIR']; "
-        "open(os.path.join(d, 'secret.txt'), 'w').write('weights'); print('uid', os.getuid())",
+        "open(os.path.join(d, 'secret.txt'), 'w').write('weights'); print('uid', os.getuid()); "
+        "open(os.path.join(os.environ['DPTRAIN_OUTPUT_DIR'], 'model.bin'), 'w').write('kept')",
     )
     assert run_attempt(job_id=writer, settings=settings) is JobStatus.SUCCEEDED
+    # Its outputs are recorded, and the worker's again once the attempt ended, like its checkpoints.
+    output = settings.artifacts / "jobs" / writer / "outputs" / "model.bin"
+    assert output.stat().st_uid == os.getuid() and output.read_text() == "kept"
+    with sessions() as s:
+        assert [a.path for a in s.query(JobArtifact).filter_by(job_id=writer)] == ["model.bin"]
     with sessions() as s:
         lines = [r.line for r in s.query(LogLine).filter_by(job_id=writer)]
     assert f"uid {pwd.getpwnam(run_as_user).pw_uid}" in lines, lines

@@ -39,6 +39,7 @@ def box(tmp_path: Path) -> Box:
     return Box(
         run_dir=run_dir,
         checkpoint_dir=run_dir.parents[1] / "checkpoints",
+        output_dir=run_dir.parents[1] / "outputs",
         workdir=scratch.workdir,
         tmp_dir=scratch.tmp,
         code_dir=code,
@@ -51,6 +52,8 @@ class TestMounts:
         mounts = _mounts(bwrap_argv(box, TORCHRUN))
         assert mounts[str(box.run_dir)] == ("--bind", str(box.run_dir))
         assert mounts[str(box.checkpoint_dir)] == ("--bind", str(box.checkpoint_dir))
+        assert box.output_dir is not None
+        assert mounts[str(box.output_dir)] == ("--bind", str(box.output_dir)), "DPTRAIN_OUTPUT_DIR"
         assert mounts["/tmp"] == ("--bind", str(box.tmp_dir)), "/tmp is the attempt's own tmp"
 
     def test_code_data_python_and_system_are_read_only(self, box: Box) -> None:
@@ -67,7 +70,7 @@ class TestMounts:
                 f"{path} read-only: {mounts.get(str(path))}"
             )
         writable = {dest for dest, (option, _) in mounts.items() if option != "--ro-bind"}
-        assert writable == {str(box.run_dir), str(box.checkpoint_dir), "/tmp"}, writable
+        assert writable == {str(box.run_dir), str(box.checkpoint_dir), str(box.output_dir), "/tmp"}, writable
 
     def test_nothing_else_of_dptrain_home_and_not_the_repository_root(self, box: Box) -> None:
         assert box.code_dir is not None

@@ -1,5 +1,5 @@
 // One job: header and cancel, live loss, evaluation, throughput and data-wait charts (uPlot), latest
-// metrics, state timeline, checkpoints (the best one badged), per-rank log tail and the spec. Live over the SSE stream;
+// metrics, state timeline, checkpoints (the best one badged), artifacts, per-rank log tail and the spec. Live over the SSE stream;
 // polling if that fails.
 "use strict";
 
@@ -33,6 +33,7 @@
     const latest = el("dl", { class: "kv", id: "latest-metrics" });
     const timeline = el("tbody", { id: "timeline" });
     const ckpts = el("tbody", { id: "checkpoints" });
+    const artifacts = el("tbody", { id: "artifacts" });
     const rankSelect = el("select", { id: "log-rank", "aria-label": "rank" }, el("option", { value: "", text: "all ranks" }));
     const logs = el("pre", { class: "logs", id: "logs" });
     const spec = el("pre", { class: "spec", id: "spec" });
@@ -46,6 +47,9 @@
           el("table", {}, el("thead", {}, el("tr", {}, ["When", "From", "To", "Attempt", "Reason"].map((h) => el("th", { text: h })))), timeline))),
       el("section", { class: "card" }, el("h2", { text: "Checkpoints" }),
         el("table", {}, el("thead", {}, el("tr", {}, ["Step", "Written", "Size", "sha256", ""].map((h) => el("th", { text: h })))), ckpts)),
+      // What the job's script wrote to DPTRAIN_OUTPUT_DIR, as its last attempt's end found it.
+      el("section", { class: "card" }, el("h2", { text: "Artifacts" }),
+        el("table", {}, el("thead", {}, el("tr", {}, ["Path", "Size", "sha256", ""].map((h) => el("th", { text: h })))), artifacts)),
       el("section", { class: "card" }, el("div", { class: "toolbar" }, el("h2", { text: "Logs", style: "margin:0" }), rankSelect), logs),
       el("section", { class: "card" }, el("h2", { text: "Spec" }), spec));
 
@@ -105,7 +109,7 @@
       const statusChanged = !job || job.status !== next.status || restarted;
       job = next;
       renderHeader();
-      if (statusChanged) loadTimeline();
+      if (statusChanged) { loadTimeline(); loadArtifacts().catch(() => {}); }
       // A new attempt re-reads the checkpoint files, which may move the best mark without a new row.
       if (restarted) loadCheckpoints().catch(() => {});
     }
@@ -148,7 +152,19 @@
           ? el("span", { class: "badge best", text: "best", title: `best ${bestMetric()} so far` }) : null),
         el("td", { text: ago(c.created_at), title: c.created_at }),
         el("td", { text: bytes(c.size_bytes) }), el("td", { class: "mono", text: c.sha256 }),
-        el("td", {}, el("button", { text: "Download", onclick: () => download(c) })))));
+        el("td", {}, el("button", { text: "Download", onclick: () => download(`/v1/jobs/${jobId}/checkpoints/${c.id}/download`, `${jobId}-step${c.step}.pt`) })))));
+    }
+
+    async function loadArtifacts() {
+      const { data } = await api(`/v1/jobs/${jobId}/artifacts`);
+      artifacts.replaceChildren(...data.items.map((a) => el("tr", { "data-path": a.path },
+        el("td", { class: "mono", text: a.path }), el("td", { text: bytes(a.size_bytes) }),
+        el("td", { class: "mono", text: a.sha256 }),
+        el("td", {}, el("button", { text: "Download", onclick: () => download(artifactUrl(a.path), a.path.split("/").pop()) })))));
+    }
+
+    function artifactUrl(path) {
+      return `/v1/jobs/${jobId}/artifacts/${path.split("/").map(encodeURIComponent).join("/")}`;
     }
 
     function bestMetric() {
@@ -156,18 +172,18 @@
       return best ? best.metric : "evaluation";
     }
 
-    async function download(c) {
+    async function download(url, filename) {
       // The download needs the bearer header, which a plain link cannot send: fetch it as a blob.
-      const r = await fetch(`/v1/jobs/${jobId}/checkpoints/${c.id}/download`, {
+      const r = await fetch(url, {
         headers: { Authorization: `Bearer ${sessionStorage.getItem("dptrain.token")}` },
       });
       if (!r.ok) { problem.textContent = `download failed: ${r.status}`; return; }
-      const url = URL.createObjectURL(await r.blob());
-      const a = el("a", { href: url, download: `${jobId}-step${c.step}.pt` });
+      const blob = URL.createObjectURL(await r.blob());
+      const a = el("a", { href: blob, download: filename });
       document.body.append(a);
       a.click();
       a.remove();
-      setTimeout(() => URL.revokeObjectURL(url), 10000);
+      setTimeout(() => URL.revokeObjectURL(blob), 10000);
     }
 
     let logCursor = null;

@@ -1,0 +1,70 @@
+"""Routes of a job's artifacts: `/v1/jobs/{id}/artifacts`, listed and streamed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import PurePosixPath
+from typing import BinaryIO
+from urllib.parse import quote
+
+from fastapi.responses import StreamingResponse
+
+from api_schemas import ArtifactList
+from service.deps import CurrentUser, SessionDep, SettingsDep
+from service.errors import NotFound, error_responses
+from service.jobs import artifacts
+from service.params import ArtifactPath, JobId
+from service.routing import v1_router
+
+router = v1_router("jobs")
+CHUNK_BYTES = 1 << 20
+
+_ARTIFACT_FILE: dict[int | str, dict[str, object]] = {
+    200: {
+        "description": "The artifact's bytes",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "headers": {
+            "X-Artifact-SHA256": {
+                "description": "sha256 of the file when its attempt ended, hex",
+                "schema": {"type": "string"},
+            }
+        },
+    }
+}
+
+
+@router.get("/{job_id}/artifacts", response_model=ArtifactList, responses=error_responses(NotFound))
+def list_artifacts(job_id: JobId, session: SessionDep, user: CurrentUser) -> ArtifactList:
+    """The job's artifacts: the regular files its DPTRAIN_OUTPUT_DIR held when its last attempt ended."""
+    return artifacts.list_artifacts(session, user=user, job_id=job_id)
+
+
+@router.get(
+    "/{job_id}/artifacts/{path:path}",
+    response_class=StreamingResponse,
+    responses=_ARTIFACT_FILE | error_responses(NotFound),
+)
+def download_artifact(
+    job_id: JobId, path: ArtifactPath, session: SessionDep, user: CurrentUser, settings: SettingsDep
+) -> StreamingResponse:
+    """One artifact's bytes, streamed; X-Artifact-SHA256 is what its attempt's end recorded."""
+    row, f = artifacts.open_artifact(
+        session, user=user, job_id=job_id, path=path, artifact_root=settings.artifacts
+    )
+    name = PurePosixPath(path).name
+    size = os.fstat(f.fileno()).st_size
+    headers = {
+        "X-Artifact-SHA256": row.sha256,
+        "Content-Length": str(size),
+        "Content-Disposition": f"attachment; filename*=UTF-8''{quote(name)}",
+    }
+    return StreamingResponse(_chunks(f, size), media_type="application/octet-stream", headers=headers)
+
+
+def _chunks(f: BinaryIO, size: int) -> Iterator[bytes]:
+    # Never more than the Content-Length sent: a running attempt may be appending to the file.
+    with f:
+        while size > 0 and (chunk := f.read(min(CHUNK_BYTES, size))):
+            size -= len(chunk)
+            yield chunk
