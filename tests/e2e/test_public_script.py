@@ -12,13 +12,14 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import free_port
 from tests.e2e.helpers import ROOT, Procs, clean_env, wait_healthy
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +29,7 @@ ROWS = 64  # 4 batches of 8 per rank and epoch at 2 ranks
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory, free_port: Callable[[], int]) -> Iterator[dict[str, str]]:
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """`dptrain up` on a fresh home; yields the CLI's environment (its URL, the home with the token)."""
     tmp = tmp_path_factory.mktemp("up")
     home = tmp / "home"
