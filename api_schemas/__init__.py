@@ -2,26 +2,28 @@
 
 from api_schemas.artifacts import ArtifactInfo, ArtifactList
 from api_schemas.base import MAX_PRIORITY
-from api_schemas.jobs import (
+from api_schemas.job_views import (
     CheckpointInfo,
     CheckpointList,
-    CheckpointSpec,
-    CodeRef,
-    EngineOptions,
     ErrorBody,
-    Hyperparameters,
     Job,
     JobError,
     JobList,
-    JobSpec,
-    JobStatus,
     LogLine,
     LogPage,
     MetricSeries,
     Progress,
-    Resources,
     Timeline,
     Transition,
+)
+from api_schemas.jobs import (
+    CheckpointSpec,
+    CodeRef,
+    EngineOptions,
+    Hyperparameters,
+    JobSpec,
+    JobStatus,
+    Resources,
     entrypoint_allowed,
 )
 from api_schemas.recipes import EVAL_METRICS, RECIPES

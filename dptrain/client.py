@@ -17,7 +17,6 @@ Celery, SQLAlchemy or FastAPI. The CLI is built on it. See docs/sdk.md.
 from __future__ import annotations
 
 import builtins
-import hashlib
 import os
 import tempfile
 import time
@@ -26,7 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -48,11 +47,11 @@ from dptrain.errors import DataLeftOut, Unplaceable, WaitTimeout, api_error
 from dptrain.left_out import LeftOut, data_warning
 from dptrain.settings import ClientSettings
 from dptrain.specfile import load_spec
+from dptrain.transfer import chunks, download_verified, raise_for_status, retry_after_seconds
 from dptrain.workdir import Packed, pack
 
 __all__ = ["Client", "CodeTooLarge", "CodeUpload"]
 
-CHUNK_BYTES = 1 << 20
 # Requests that are safe to send again (reads, and a submit under its Idempotency-Key) are retried
 # this many times in all on a broken connection or a 429/503, backing off.
 ATTEMPTS = 3
@@ -121,20 +120,6 @@ class Client:
 
     # -- requests -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check(r: httpx.Response) -> httpx.Response:
-        if r.status_code < 400:
-            return r
-        error = None
-        try:
-            body = r.json()
-            detail = body.get("detail", body) if isinstance(body, dict) else body
-            error = body.get("error") if isinstance(body, dict) else None
-        except ValueError:
-            detail = r.text or r.reason_phrase
-        retry_after = _seconds(r.headers.get("Retry-After"))
-        raise api_error(r.status_code, detail, error=error, retry_after=retry_after)
-
     def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """One request, sent again on a broken connection, a 429 or a 503 (each one retry-safe)."""
         for attempt in range(ATTEMPTS):
@@ -149,9 +134,11 @@ class Client:
                 time.sleep(min(MAX_BACKOFF_S, 0.5 * 2**attempt))
                 continue
             if r.status_code in RETRY_STATUS and not last:
-                time.sleep(min(MAX_BACKOFF_S, _seconds(r.headers.get("Retry-After"), 0.5 * 2**attempt)))
+                time.sleep(
+                    min(MAX_BACKOFF_S, retry_after_seconds(r.headers.get("Retry-After"), 0.5 * 2**attempt))
+                )
                 continue
-            return self._check(r)
+            return raise_for_status(r)
         raise AssertionError("unreachable")
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -325,7 +312,9 @@ class Client:
             )
             raise api_error(404, f"job {job_id} has no {what}", error="NotFound")
         ckpt = items[-1]
-        _download(self.http, f"/v1/jobs/{job_id}/checkpoints/{ckpt.id}/download", Path(dest), ckpt.sha256)
+        download_verified(
+            self.http, f"/v1/jobs/{job_id}/checkpoints/{ckpt.id}/download", Path(dest), ckpt.sha256
+        )
         return ckpt
 
     def artifacts(self, job_id: str) -> builtins.list[ArtifactInfo]:
@@ -337,7 +326,9 @@ class Client:
         found = [a for a in self.artifacts(job_id) if a.path == path]
         if not found:
             raise api_error(404, f"job {job_id} has no artifact {path!r}", error="NotFound")
-        _download(self.http, f"/v1/jobs/{job_id}/artifacts/{quote(path)}", Path(dest), found[0].sha256)
+        download_verified(
+            self.http, f"/v1/jobs/{job_id}/artifacts/{quote(path)}", Path(dest), found[0].sha256
+        )
         return found[0]
 
     # -- code -----------------------------------------------------------------------------------
@@ -349,7 +340,7 @@ class Client:
         max_bytes = int(limit) if limit.isdigit() else None
         if r.status_code == 404:
             return False, max_bytes
-        self._check(r)
+        raise_for_status(r)
         return True, max_bytes
 
     def code_exists(self, sha256: str) -> bool:
@@ -361,8 +352,8 @@ class Client:
         with path.open("rb") as f:
             # A stated length lets the server refuse an archive over its limit before reading it.
             headers = {"Content-Type": "application/gzip", "Content-Length": str(path.stat().st_size)}
-            r = self.http.put(f"/v1/code/{sha256}", content=_chunks(f), headers=headers)
-        return self._check(r).status_code == 201
+            r = self.http.put(f"/v1/code/{sha256}", content=chunks(f), headers=headers)
+        return raise_for_status(r).status_code == 201
 
     def upload_code(
         self, workdir: str | os.PathLike[str], *, max_bytes: int | None = None, include: Sequence[str] = ()
@@ -387,36 +378,4 @@ class Client:
 
     def download_code(self, sha256: str, dest: Path) -> None:
         """GET the archive `sha256` into `dest`; ValueError (and no file) if its hash differs."""
-        _download(self.http, f"/v1/code/{sha256}", dest, sha256)
-
-
-def _download(http: httpx.Client, path: str, dest: Path, sha256: str) -> None:
-    """Stream `path` to `dest` through a temporary file, kept only if it hashes to `sha256`."""
-    digest = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent or ".")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f, http.stream("GET", path) as r:
-            if r.status_code >= 400:
-                r.read()
-                Client._check(r)
-            for chunk in r.iter_bytes(CHUNK_BYTES):
-                digest.update(chunk)
-                f.write(chunk)
-        if digest.hexdigest() != sha256:
-            raise ValueError(f"downloaded {path} hashes to {digest.hexdigest()}, not {sha256}")
-        tmp.replace(dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _chunks(f: BinaryIO) -> Iterator[bytes]:
-    while chunk := f.read(CHUNK_BYTES):
-        yield chunk
-
-
-def _seconds(value: str | None, default: float = 1.0) -> float:
-    try:
-        return max(0.0, float(value)) if value is not None else default
-    except ValueError:
-        return default
+        download_verified(self.http, f"/v1/code/{sha256}", dest, sha256)
