@@ -10,6 +10,7 @@ Screenshots go to test-reports/.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections.abc import Iterator
@@ -189,6 +190,16 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     expect(page.locator("#logs")).to_contain_text("rank1|")
     expect(page.locator("#cancel")).to_be_hidden()
     page.screenshot(path=str(REPORTS / "dashboard.png"), full_page=True)
+
+    # A command's outputs: what it wrote to DPTRAIN_OUTPUT_DIR is listed on its page, with its sha256.
+    writes = "import os; open(os.environ['DPTRAIN_OUTPUT_DIR'] + '/notes.txt', 'w').write('kept')"
+    r = stack.http.post("/v1/jobs", json={"name": "ui-outputs", "command": ["python", "-c", writes]})
+    assert r.status_code == 201, r.text
+    outputs_id = r.json()["id"]
+    page.goto(f"{base}#/jobs/{outputs_id}")
+    expect(page.locator(".head .badge")).to_have_text("succeeded", timeout=60_000)
+    kept = hashlib.sha256(b"kept").hexdigest()
+    expect(page.locator('#artifacts tr[data-path="notes.txt"]')).to_contain_text(kept, timeout=10_000)
 
     # The worker that ran them reports in.
     page.click('[data-nav="workers"]')
