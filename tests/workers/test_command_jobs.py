@@ -184,7 +184,17 @@ def test_a_script_that_hangs_ends_after_the_stall_timeout_with_no_process_left(
     assert error.type == "Stalled" and "no progress for 10 s" in error.message, error
     assert took < 10 + settings.cancel_grace_seconds + 30, f"ended {took:.0f} s after it started"
     assert rank_processes(job_id) == []
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "--sleep-forever" in (p.info["cmdline"] or [])]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if _sleeps_for(p, job_id)]
+
+
+def _sleeps_for(proc: psutil.Process, job_id: str) -> bool:
+    """A `--sleep-forever` process of this job (by its environment: another run of this test may be live)."""
+    if "--sleep-forever" not in (proc.info["cmdline"] or []):
+        return False
+    try:
+        return proc.environ().get("DPTRAIN_JOB_ID") == job_id
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
 def test_a_reference_in_the_command_expands_from_the_ranks_environment_without_a_shell(
