@@ -7,6 +7,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,9 +25,9 @@ from api_schemas import (
     Transition,
 )
 from service.config import Settings
-from service.errors import Conflict, InvalidTransition, NotFound
+from service.errors import Conflict, InvalidTransition, NotFound, invalid_field
 from service.etag import etag_of_version
-from service.jobs import lifecycle, repository, stored
+from service.jobs import init_from, lifecycle, repository, stored
 from service.jobs.stored import INVALID_SPEC
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
@@ -106,6 +107,7 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
         )
         never = scheduling.unplaceable_reason(session, job=pending, settings=settings)
     return {
+        **_init_values(session, user=user, spec=spec, job_id=job_id, settings=settings),
         "id": job_id,
         "name": spec.name,
         "owner_id": user.id,
@@ -123,6 +125,44 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
     }
 
 
+def _init_values(
+    session: Session, *, user: User, spec: JobSpec, job_id: str, settings: Settings | None
+) -> dict[str, Any]:
+    """The new job's init_* columns: the source's checkpoint that `init_from` names, checked.
+
+    404 when the submitter may not read the source job (the answer GET of it gives), 422 naming the
+    field when it has no such checkpoint. The file is pinned only once the job row exists (`_pin`).
+    """
+    init = spec.init_from
+    if init is None:
+        return {}
+    if settings is None:
+        raise ValueError("init_from needs the service's settings (the artifact root its pin goes under)")
+    source = repository.get(session, job_id=init.job, owner_id=_visible_owner(user))
+    if source is None:
+        raise NotFound(f"init_from.job: job {init.job!r} not found")
+    ckpt = init_from.choose(repository.checkpoints(session, job_id=source.id), init=init)
+    pinned = init_from.pinned_dir(settings.artifacts.resolve(), job_id) / Path(ckpt.path).name
+    return {
+        "init_job": source.id,
+        "init_step": ckpt.step,
+        "init_sha256": ckpt.sha256,
+        "init_path": str(pinned),
+    }
+
+
+def _pin(session: Session, *, job: JobRow, settings: Settings | None) -> None:
+    """Pin the source checkpoint of a job created now with `init_from` (see service/jobs/init_from.py)."""
+    if job.init_job is None or job.init_step is None or settings is None:
+        return
+    source = repository.checkpoint_of_step(session, job_id=job.init_job, step=job.init_step)
+    if source is None:  # pruned between the check and now
+        message = f"the checkpoint of step {job.init_step} is no longer available (pruned meanwhile?)"
+        raise invalid_field(("body", "init_from"), message, job.init_job)
+    # The file, not the row, decides: pin() answers the same 422 if the pruning got there first.
+    init_from.pin(artifacts=settings.artifacts, job_id=job.id, source=source)
+
+
 def spec_hash(stored: dict[str, Any]) -> str:
     """sha256 of a spec's canonical JSON as stored, so equal specs hash equal however written."""
     canonical = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -138,6 +178,7 @@ def submit(session: Session, *, user: User, spec: JobSpec, settings: Settings | 
     assert job is not None
     if settings is not None:
         queue.check_queue_cap(session, user=user, settings=settings)
+    _pin(session, job=job, settings=settings)
     return job
 
 
@@ -156,6 +197,9 @@ def submit_once(
     if created and settings is not None:
         # A replay adds no job, so only a job created now counts against the cap.
         queue.check_queue_cap(session, user=user, settings=settings)
+    if created:
+        assert job is not None
+        _pin(session, job=job, settings=settings)
     if job is None:
         job = repository.by_idempotency_key(session, owner_id=user.id, key=key)
         if job is None:  # the winner rolled back after all: never happens without a crash; retry
