@@ -233,7 +233,10 @@ def _wait(
 
 @app.command("continue")
 def continue_(job_id: str, output: Output = OUTPUT) -> None:
-    """Continue a job from its newest checkpoint: its spec again, same name, init_from {job: ID, resume: true}."""
+    """Continue a job from its newest checkpoint: its spec again (same name), init_from {job, resume: true}.
+
+    Prints the new job's id (the job with --output json); its steps count on from that checkpoint.
+    """
     with _api() as client:
         job = client.continue_job(job_id)
     emit_json(job) if output is Output.json else say(job.id)
