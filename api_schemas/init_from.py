@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import BaseModel, Field, StringConstraints, model_validator
 
 from api_schemas.base import Strict
 
@@ -30,3 +30,11 @@ class InitFrom(Strict):
         if self.best and self.step is not None:
             raise ValueError("give 'step' or 'best', not both (neither: the newest checkpoint)")
         return self
+
+
+class InitCheckpoint(BaseModel):
+    """The checkpoint a job's `init_from` resolved to at submit, pinned for it (shown on the job)."""
+
+    job: str = Field(description="The source job.")
+    step: int = Field(description="The source's checkpoint's step (`init_from` without one: its newest).")
+    sha256: str = Field(description="What its attempts verify the pinned file against before the first step.")

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from api_schemas import (
     CheckpointInfo,
+    InitCheckpoint,
     Job,
     JobError,
     JobList,
@@ -74,6 +75,7 @@ def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
         unplaceable=unplaceable,
         # The reason of an unplaceable job is placement.never_fits's sentence: the warning itself.
         warnings=[job.queued_reason] if unplaceable and job.queued_reason else [],
+        init_checkpoint=_init_checkpoint(job),
     )
     try:
         return Job(**fields)
@@ -83,6 +85,12 @@ def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
         # shown_spec's last resort is built without validation (nothing of the stored spec passed
         # the spec's own checks), and so is the job around it; every other field is a typed column.
         return Job.model_construct(**fields)
+
+
+def _init_checkpoint(job: JobRow) -> InitCheckpoint | None:
+    if job.init_job is None or job.init_step is None or job.init_sha256 is None:
+        return None
+    return InitCheckpoint(job=job.init_job, step=job.init_step, sha256=job.init_sha256)
 
 
 def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
@@ -241,7 +249,7 @@ def queue_position(session: Session, *, job: JobRow) -> int | None:
 
 # Part of every job ETag: bump it whenever the JSON of an unchanged row changes (a field added to
 # `Job`, another rendering of one), so clients holding an old ETag get the new body.
-JOB_REPRESENTATION = 3
+JOB_REPRESENTATION = 4
 
 
 def job_etag(job: JobRow, *, owner: str, position: int | None = None) -> str:
