@@ -9,14 +9,35 @@ weights are: a fine-tune, whose optimizer, data and ITER start fresh under the j
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from api_schemas import JobSpec
 from workers.engine.checkpoint import CheckpointManager, LoadedCheckpoint, step_of
+from workers.engine.distributed import DistEnv
 from workers.engine.sharded_params import slice_state
 
-if TYPE_CHECKING:
-    from workers.engine.trainer import Trainer
+
+class Trainer(Protocol):
+    """What of workers.engine.trainer.Trainer starting from a checkpoint reads and calls."""
+
+    @property
+    def spec(self) -> JobSpec: ...
+    @property
+    def env(self) -> DistEnv: ...
+    @property
+    def model(self) -> Any: ...
+    @property
+    def optimizer(self) -> Any: ...
+    @property
+    def sharded(self) -> Sequence[str]: ...
+    @property
+    def optim_names(self) -> Sequence[str]: ...
+    @property
+    def iter(self) -> int: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def read_init(path: Path, *, training_state: bool) -> LoadedCheckpoint:
