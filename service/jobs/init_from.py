@@ -15,14 +15,51 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
 
 from api_schemas import InitFrom
-from service.errors import invalid_field
-from service.models import Checkpoint
+from service.errors import NotFound, invalid_field
+from service.jobs import repository
+from service.models import Checkpoint, Job
 
 # The checkpoint's sidecars (workers/engine/checkpoint.py names them; the service never imports it).
 SIDECARS = (".sha256", ".xxh128")
 _LOC = ("body", "init_from")
+
+
+def row_values(
+    session: Session, *, owner_id: int | None, init: InitFrom, job_id: str, artifacts: Path
+) -> dict[str, Any]:
+    """The new job's init_* columns: the source's checkpoint that `init` names, checked.
+
+    `owner_id`: the submitter's, None for an admin (who may read every job). 404 when the source is
+    not theirs (the answer GET of it gives), 422 naming the field when it has no such checkpoint.
+    The file is pinned only once the job row exists (`pin_for`).
+    """
+    source = repository.get(session, job_id=init.job, owner_id=owner_id)
+    if source is None:
+        raise NotFound(f"init_from.job: job {init.job!r} not found")
+    ckpt = choose(repository.checkpoints(session, job_id=source.id), init=init)
+    return {
+        "init_job": source.id,
+        "init_step": ckpt.step,
+        "init_sha256": ckpt.sha256,
+        "init_path": str(pinned_dir(artifacts.resolve(), job_id) / Path(ckpt.path).name),
+    }
+
+
+def pin_for(session: Session, *, job: Job, artifacts: Path) -> None:
+    """Pin the source checkpoint of `job`, created now with `init_from` (nothing for a job without)."""
+    if job.init_job is None or job.init_step is None:
+        return
+    source = repository.checkpoint_of_step(session, job_id=job.init_job, step=job.init_step)
+    if source is None:  # pruned between the check and now
+        message = f"the checkpoint of step {job.init_step} is no longer available (pruned meanwhile?)"
+        raise invalid_field(_LOC, message, job.init_job)
+    # The file, not the row, decides: pin() answers the same 422 if the pruning got there first.
+    pin(artifacts=artifacts, job_id=job.id, source=source)
 
 
 def choose(rows: Sequence[Checkpoint], *, init: InitFrom) -> Checkpoint:
@@ -84,8 +121,3 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         # Another file system, or one without hard links: a private copy does the same job.
         shutil.copyfile(src, dest)
         os.chmod(dest, 0o600)
-
-
-def unpin(*, artifacts: Path, job_id: str) -> None:
-    """Remove a job's pinned folder (its submit did not commit)."""
-    shutil.rmtree(pinned_dir(artifacts.resolve(), job_id), ignore_errors=True)

@@ -7,7 +7,6 @@ import json
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,7 +25,7 @@ from api_schemas import (
     Transition,
 )
 from service.config import Settings
-from service.errors import Conflict, InvalidTransition, NotFound, invalid_field
+from service.errors import Conflict, InvalidTransition, NotFound
 from service.etag import etag_of_version
 from service.jobs import init_from, lifecycle, repository, stored
 from service.jobs.stored import INVALID_SPEC
@@ -93,13 +92,18 @@ def _init_checkpoint(job: JobRow) -> InitCheckpoint | None:
     return InitCheckpoint(job=job.init_job, step=job.init_step, sha256=job.init_sha256)
 
 
-def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
+def _stored(spec: JobSpec) -> dict[str, Any]:
     stored = spec.model_dump(mode="json")
     # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
     # shows is exactly what ran, whatever later versions choose as defaults. (A command's are only
     # those the user sent: it uses none of the defaults, see JobSpec's serializer.)
     if (params := spec.recipe_params()) is not None:
         stored["hyperparameters"].update(params.model_dump(mode="json"))
+    return stored
+
+
+def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
+    stored = _stored(spec)
     job_id = uuid.uuid4().hex
     queue.check_priority(user=user, spec=spec)
     never = None
@@ -136,39 +140,23 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
 def _init_values(
     session: Session, *, user: User, spec: JobSpec, job_id: str, settings: Settings | None
 ) -> dict[str, Any]:
-    """The new job's init_* columns: the source's checkpoint that `init_from` names, checked.
-
-    404 when the submitter may not read the source job (the answer GET of it gives), 422 naming the
-    field when it has no such checkpoint. The file is pinned only once the job row exists (`_pin`).
-    """
-    init = spec.init_from
-    if init is None:
+    """The new job's init_* columns (service/jobs/init_from.py): 404 for a source the user may not see."""
+    if spec.init_from is None:
         return {}
     if settings is None:
         raise ValueError("init_from needs the service's settings (the artifact root its pin goes under)")
-    source = repository.get(session, job_id=init.job, owner_id=_visible_owner(user))
-    if source is None:
-        raise NotFound(f"init_from.job: job {init.job!r} not found")
-    ckpt = init_from.choose(repository.checkpoints(session, job_id=source.id), init=init)
-    pinned = init_from.pinned_dir(settings.artifacts.resolve(), job_id) / Path(ckpt.path).name
-    return {
-        "init_job": source.id,
-        "init_step": ckpt.step,
-        "init_sha256": ckpt.sha256,
-        "init_path": str(pinned),
-    }
+    return init_from.row_values(
+        session,
+        owner_id=_visible_owner(user),
+        init=spec.init_from,
+        job_id=job_id,
+        artifacts=settings.artifacts,
+    )
 
 
 def _pin(session: Session, *, job: JobRow, settings: Settings | None) -> None:
-    """Pin the source checkpoint of a job created now with `init_from` (see service/jobs/init_from.py)."""
-    if job.init_job is None or job.init_step is None or settings is None:
-        return
-    source = repository.checkpoint_of_step(session, job_id=job.init_job, step=job.init_step)
-    if source is None:  # pruned between the check and now
-        message = f"the checkpoint of step {job.init_step} is no longer available (pruned meanwhile?)"
-        raise invalid_field(("body", "init_from"), message, job.init_job)
-    # The file, not the row, decides: pin() answers the same 422 if the pruning got there first.
-    init_from.pin(artifacts=settings.artifacts, job_id=job.id, source=source)
+    if settings is not None:
+        init_from.pin_for(session, job=job, artifacts=settings.artifacts)
 
 
 def spec_hash(stored: dict[str, Any]) -> str:
@@ -199,6 +187,12 @@ def submit_once(
     insert wins, the others wait for it to commit and then read it. Conflict if the key was used
     with another spec. A replay answers the earlier job as it is now (its `unplaceable` included).
     """
+    if spec.init_from is not None:
+        # A replay answers the earlier job even once the source's checkpoint is pruned or the source
+        # is no longer readable: look first (the unique constraint still decides between racers).
+        earlier = repository.by_idempotency_key(session, owner_id=user.id, key=key)
+        if earlier is not None:
+            return _replayed(earlier, key=key, request_hash=spec_hash(_stored(spec))), False
     values = _row_values(session, user=user, spec=spec, settings=settings)
     values |= {"idempotency_key": key, "request_hash": spec_hash(values["spec"])}
     job, created = _insert(session, values=values)
@@ -212,9 +206,13 @@ def submit_once(
         job = repository.by_idempotency_key(session, owner_id=user.id, key=key)
         if job is None:  # the winner rolled back after all: never happens without a crash; retry
             raise Conflict(f"a submit with Idempotency-Key {key!r} is in flight; retry")
-    if job.request_hash != values["request_hash"]:
+    return _replayed(job, key=key, request_hash=values["request_hash"]), created
+
+
+def _replayed(job: JobRow, *, key: str, request_hash: str) -> JobRow:
+    if job.request_hash != request_hash:
         raise Conflict(f"Idempotency-Key {key!r} was already used for job {job.id} with another spec")
-    return job, created
+    return job
 
 
 def _insert(session: Session, *, values: dict[str, Any]) -> tuple[JobRow | None, bool]:

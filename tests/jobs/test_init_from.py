@@ -147,3 +147,18 @@ def test_a_malformed_init_from_is_422_naming_the_field(
     r = client.post("/v1/jobs", json=_spec(init))
     assert r.status_code == 422, r.text
     assert r.json()["detail"][0]["loc"] == loc, r.json()
+
+
+def test_a_replay_answers_the_earlier_job_once_the_source_checkpoint_is_gone(
+    client: TestClient, db: Session, settings: Settings, source: dict[str, Any]
+) -> None:
+    body, headers = _spec({"job": source["id"], "step": 20}), {"Idempotency-Key": "init-once"}
+    first = client.post("/v1/jobs", json=body, headers=headers)
+    assert first.status_code == 201, first.text
+    db.query(Checkpoint).filter_by(job_id=source["id"]).delete()
+    db.commit()
+    shutil.rmtree(settings.artifacts / "jobs" / source["id"])
+    again = client.post("/v1/jobs", json=body, headers=headers)
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"], again.text
+    other = client.post("/v1/jobs", json=_spec({"job": source["id"], "step": 30}), headers=headers)
+    assert other.status_code == 409, other.text

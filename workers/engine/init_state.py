@@ -54,12 +54,17 @@ def start_from_init(trainer: Trainer, path: Path) -> int:
     """Load the init checkpoint on this rank (every rank reads the same file); returns the ITER it sets."""
     loaded = read_init(path, training_state=True)
     init = trainer.spec.init_from
-    if init is not None and init.resume:
-        trainer.load_state_dict(loaded.state)
-        how = "continuing"
-    else:
-        _load_weights(trainer, loaded.state["model"])
-        how = "fine-tuning: model weights only"
+    resume = init is not None and init.resume
+    try:
+        if resume:
+            trainer.load_state_dict(loaded.state)
+        else:
+            _load_weights(trainer, loaded.state["model"])
+    except (RuntimeError, KeyError) as exc:
+        # Another model's (or optimizer's) state: the same file fails the same way at every restart,
+        # and a ValueError is not retried (workers/attempts.py). No collective runs in here.
+        raise ValueError(f"init_from: {path.name} does not fit this job's plan: {exc}") from exc
+    how = "continuing" if resume else "fine-tuning: model weights only"
     print(f"started from init_from {loaded.path} (step {loaded.step}; {how}; iter {trainer.iter})")
     return trainer.iter
 
