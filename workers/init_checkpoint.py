@@ -8,6 +8,8 @@ A mismatch is not retried (attempts.NOT_RETRIED): the same file fails the same w
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,3 +61,18 @@ def verify(init: InitCheckpoint) -> JobError | None:
         message = f"{what} does not verify: sha256 {actual} != {init.sha256} recorded at submit"
         return JobError(type=MISMATCH, message=message)
     return None
+
+
+def unshare(folder: Path) -> None:
+    """Make each hard-linked file in `folder` a copy of its own, before it is given to the ranks' user.
+
+    The pinned files share their inode with the source's checkpoint: handing them over (chown) would
+    hand over the source's file too, and taking them back after the attempt would take it from the
+    source's ranks. Once per job: a copy has one link.
+    """
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.is_symlink() and path.stat().st_nlink > 1:
+            copy = path.with_name(f".{path.name}.unshared")
+            shutil.copyfile(path, copy)
+            os.chmod(copy, 0o600)
+            os.replace(copy, path)

@@ -20,7 +20,7 @@ from service.config import Settings
 from workers import sandbox
 from workers.code_cache import CodeArchiveError, unpack_cached
 from workers.engine.launch import supervisor_id
-from workers.init_checkpoint import InitCheckpoint
+from workers.init_checkpoint import InitCheckpoint, unshare
 from workers.init_checkpoint import verify as verify_init
 from workers.rank_env import rank_environment
 from workers.scratch import make_scratch, short_tmp
@@ -123,14 +123,15 @@ def prepare(
     if why is None and root and run_as is None:
         run_as = RunAs.nobody()  # never root inside the sandbox
     if run_as is not None:
+        if init is not None:
+            unshare(init.folder)
         # A root bwrap binds what the ranks need whatever its folders' modes: only an unsandboxed
         # rank must be able to walk the artifact root to its run directory.
         _hand_over(
             run_as,
             settings=settings,
             run_dir=run_dir,
-            # The init folder too: its file is a hard link, whose owner is the source's file's (the
-            # same ranks' user; take_back gives both back to the worker).
+            # The init folder too, its files unshared from the source's first (init_checkpoint.unshare).
             owned=(run_dir, checkpoint_dir, output_dir, *([init.folder] if init else [])),
             reach=why is not None,
         )

@@ -133,6 +133,12 @@ def test_a_fine_tune_takes_the_best_checkpoints_weights_with_a_fresh_optimizer_a
         assert moved <= 1e-2, f"{name}: {moved:.3g} from the best checkpoint's weights: not started from them"
     log = (_paths(settings, job_id).run_dir / "logs" / "rank0.log").read_text()
     assert "fine-tuning: model weights only" in log, log
+    if os.getuid() == 0:
+        # A root worker hands the pinned folder to the ranks' user: first made a copy of its own, so
+        # the source's file (the same inode until then) stays the worker's.
+        pinned = Path(str(job_row(sessions, job_id).init_path))
+        original = _paths(settings, reference).checkpoint_dir / checkpoint_name(best)
+        assert not os.path.samefile(pinned, original) and original.stat().st_uid == 0
 
 
 def test_a_pinned_file_that_does_not_verify_fails_the_attempt_unretried_before_any_rank(
