@@ -2,6 +2,7 @@
 
 from api_schemas.artifacts import ArtifactInfo, ArtifactList
 from api_schemas.base import MAX_PRIORITY
+from api_schemas.init_from import InitCheckpoint, InitFrom
 from api_schemas.job_views import (
     CheckpointInfo,
     CheckpointList,
@@ -50,6 +51,8 @@ __all__ = [
     "Job",
     "JobError",
     "JobList",
+    "InitCheckpoint",
+    "InitFrom",
     "JobSpec",
     "JobStatus",
     "KeepBest",

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from api_schemas.init_from import InitCheckpoint
 from api_schemas.jobs import JobSpec, JobStatus
 
 
@@ -68,6 +69,9 @@ class Job(BaseModel):
         default_factory=list,
         description="What the submitter should know now, in words. While `unplaceable`: one warning naming "
         "what the job needs and what the live nodes offer (the same text as `queued_reason`).",
+    )
+    init_checkpoint: InitCheckpoint | None = Field(
+        None, description="The checkpoint its spec's `init_from` named, as resolved and pinned at submit."
     )
 
 

@@ -24,6 +24,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from api_schemas.base import MAX_PRIORITY, JsonValue, Strict
 from api_schemas.code import CodeRef, CommandArg, EnvName, EnvValue
 from api_schemas.data import DataSpec, data_rules
+from api_schemas.init_from import InitFrom
 from api_schemas.recipes import EVAL_METRICS, RECIPES
 from api_schemas.training import CheckpointSpec, EngineOptions, EvaluationSpec
 
@@ -157,6 +158,11 @@ class JobSpec(Strict):
         description="How the ranks load batches (DataLoader options) and which data files they read.",
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    init_from: InitFrom | None = Field(
+        None,
+        description="Start from a checkpoint of a job you may read (docs/api.md); the job's own "
+        "checkpoints, once it has any, win over it.",
+    )
     evaluation: EvaluationSpec | None = Field(
         None,
         description="Evaluate on the plan's eval dataset (a recipe's eval split); reports `eval/loss` and "

@@ -11,7 +11,8 @@ plain `torchrun`) each is a harmless no-op, so the same script runs anywhere::
 
     import dptrain
 
-    state = dptrain.load_checkpoint()            # every rank: the newest verified checkpoint, or None
+    state = dptrain.load_checkpoint()            # every rank: the newest verified checkpoint (else
+                                                 # the spec's init_from one), or None
     start = 0
     if state is not None:
         model.load_state_dict(state["model"])
@@ -65,6 +66,7 @@ from dptrain.errors import (
 )
 from rank_contract.env import (
     CHECKPOINT_DIR_ENV,
+    INIT_CHECKPOINT_ENV,
     KEEP_LAST_ENV,
     OUTPUT_DIR_ENV,
     RUN_DIR_ENV,
@@ -238,13 +240,18 @@ def load_checkpoint() -> dict[str, Any] | None:
     """The newest checkpoint of this job that verifies (older ones if it does not), None if none.
 
     On every rank. Loaded like `torch.load(path, weights_only=True, map_location="cpu")`; raises
-    when checkpoints exist but none verifies, rather than start over and prune them.
+    when checkpoints exist but none verifies, rather than start over and prune them. A job whose
+    spec names `init_from` and that has no checkpoint of its own yet gets that checkpoint (verified).
     """
     run = _run()
     if run is None:
         return None
     with run.lock:
         loaded = run.manager().load()
+    if loaded is None and (init := os.environ.get(INIT_CHECKPOINT_ENV)):
+        from workers.engine.init_state import read_init
+
+        loaded = read_init(Path(init), training_state=False)
     return None if loaded is None else loaded.state
 
 

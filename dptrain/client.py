@@ -175,6 +175,16 @@ class Client:
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate(self._json("POST", "/v1/jobs", json=body, headers=headers))
 
+    def continue_job(self, job_id: str, *, idempotency_key: str | None = None) -> Job:
+        """Submit job `job_id`'s spec again, continuing from its newest checkpoint (`init_from.resume`).
+
+        The new job keeps the spec as it ran, its name included; only `init_from` changes (to
+        `{job: job_id, resume: true}`), so its `steps` count on from that checkpoint's step.
+        """
+        spec = self.get(job_id).spec.model_dump(mode="json", exclude_unset=True)
+        spec["init_from"] = {"job": job_id, "resume": True}
+        return self.submit(spec, idempotency_key=idempotency_key)
+
     def get(self, job_id: str) -> Job:
         """One job."""
         return Job.model_validate(self._json("GET", f"/v1/jobs/{job_id}"))

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["SpecFileError", "load_spec"]
+__all__ = ["SpecFileError", "init_from_arg", "load_spec"]
 
 
 class SpecFileError(ValueError):
@@ -43,3 +43,18 @@ def load_spec(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SpecFileError(f"{path} does not hold a job spec object")
     return data
+
+
+def init_from_arg(text: str, *, resume: bool = False) -> dict[str, Any]:
+    """`ID`, `ID:STEP` or `ID:best` (the CLI's --from) as the spec's `init_from`; ValueError if malformed."""
+    job, sep, which = text.partition(":")
+    init: dict[str, Any] = {"job": job, "resume": resume}
+    if not job or (sep and not which):
+        raise ValueError(f"expected ID, ID:STEP or ID:best, got {text!r}")
+    if which == "best":
+        init["best"] = True
+    elif which:
+        if not which.isascii() or not which.isdigit():
+            raise ValueError(f"expected ID, ID:STEP or ID:best, got {text!r} ({which!r} is not a step)")
+        init["step"] = int(which)
+    return init

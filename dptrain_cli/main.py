@@ -25,7 +25,7 @@ from api_schemas import Job, JobError, JobStatus
 from dptrain.client import Client
 from dptrain.errors import ApiError, Refused, Unplaceable, WaitTimeout
 from dptrain.left_out import Include
-from dptrain.specfile import SpecFileError, load_spec
+from dptrain.specfile import SpecFileError, init_from_arg, load_spec
 from dptrain_cli.follow import Progress, watch_job
 from dptrain_cli.junit import junit_report
 from dptrain_cli.lazy import WithServerCommands
@@ -127,6 +127,15 @@ def submit(
     max_code_bytes: int | None = typer.Option(
         None, "--max-code-bytes", min=1, help="Refuse a --workdir archive over N bytes before uploading."
     ),
+    start_from: str | None = typer.Option(
+        None,
+        "--from",
+        metavar="ID[:STEP|:best]",
+        help="Start from a checkpoint of job ID (its newest, step STEP, or its best): the spec's init_from.",
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="With --from: continue its training state too (optimizer, ITER...)."
+    ),
     output: Output = OUTPUT,
 ) -> None:
     """Submit a job; print its id (the job with --output json).
@@ -142,6 +151,13 @@ def submit(
         spec = load_spec(file)
     except SpecFileError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if resume and start_from is None:
+        raise typer.BadParameter("--resume needs --from: it says how to start from that checkpoint")
+    if start_from is not None:
+        try:
+            spec["init_from"] = init_from_arg(start_from, resume=resume)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--from") from exc
     if include and workdir is None:
         raise typer.BadParameter("--include needs --workdir: it picks files of the uploaded tree")
     try:
@@ -213,6 +229,17 @@ def _wait(
         return EXIT_TIMEOUT
     _report_end(job)
     return _exit_for(job)
+
+
+@app.command("continue")
+def continue_(job_id: str, output: Output = OUTPUT) -> None:
+    """Continue a job from its newest checkpoint: its spec again (same name), init_from {job, resume: true}.
+
+    Prints the new job's id (the job with --output json); its steps count on from that checkpoint.
+    """
+    with _api() as client:
+        job = client.continue_job(job_id)
+    emit_json(job) if output is Output.json else say(job.id)
 
 
 @app.command()

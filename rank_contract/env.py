@@ -17,6 +17,7 @@ __all__ = [
     "DATA_ROOT_ENV",
     "EXCEPTION_FILE_ENV",
     "FINISHED_DIR_NAME",
+    "INIT_CHECKPOINT_ENV",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
     "OUTPUT_DIR_ENV",
@@ -50,6 +51,10 @@ DATA_ROOT_ENV = "DPTRAIN_DATA_ROOT"
 SUPERVISOR_ENV = "DPTRAIN_SUPERVISOR"
 # The unpacked code tree of a job with uploaded code: an entrypoint's module must come from there.
 CODE_DIR_ENV = "DPTRAIN_CODE_DIR"
+# The checkpoint file the job's spec names in `init_from` (pinned under the job's folder, verified
+# by the worker, read-only in the sandbox); set only while the job has no checkpoint of its own.
+# The engine starts from it, and `dptrain.load_checkpoint()` returns it, when CHECKPOINT_DIR is empty.
+INIT_CHECKPOINT_ENV = "DPTRAIN_INIT_CHECKPOINT"
 # The worker's own setting, passed through to the ranks: the module prefixes an entrypoint may name
 # when the job uploaded no code (the engine checks it again where the code runs).
 ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
@@ -92,12 +97,14 @@ def sdk_env(
     code_dir: str | os.PathLike[str] | None = None,
     data_root: str | os.PathLike[str] | None = None,
     output_dir: str | os.PathLike[str] | None = None,
+    init_checkpoint: str | os.PathLike[str] | None = None,
 ) -> dict[str, str]:
     """Every variable dptrain itself sets for the ranks of one node of one attempt.
 
     `supervisor` is None where the ranks cannot see the worker's pid (in the sandbox's PID namespace,
     whose --die-with-parent does that watch's work); `code_dir` and `data_root` only when the job has
-    uploaded code and the worker a data root; `output_dir` is the job's (the worker always sets it).
+    uploaded code and the worker a data root; `output_dir` is the job's (the worker always sets it);
+    `init_checkpoint` only while the job starts from its `init_from` checkpoint.
     """
     env = {
         JOB_ID_ENV: job_id,
@@ -111,6 +118,7 @@ def sdk_env(
         CODE_DIR_ENV: code_dir,
         DATA_ROOT_ENV: data_root,
         OUTPUT_DIR_ENV: output_dir,
+        INIT_CHECKPOINT_ENV: init_checkpoint,
     }
     env |= {name: os.fspath(value) for name, value in optional.items() if value is not None}
     return env

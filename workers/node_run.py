@@ -12,6 +12,7 @@ from pathlib import Path
 
 from api_schemas import JobSpec
 from workers.engine.launch import Rendezvous
+from workers.init_checkpoint import InitCheckpoint
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class NodeRun:
     spec: JobSpec
     rendezvous: Rendezvous | None
     address: str
+    # The job's `init_from` checkpoint, pinned at submit (None without one).
+    init: InitCheckpoint | None = None
 
     @property
     def is_primary(self) -> bool:

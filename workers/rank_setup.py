@@ -20,6 +20,8 @@ from service.config import Settings
 from workers import sandbox
 from workers.code_cache import CodeArchiveError, unpack_cached
 from workers.engine.launch import supervisor_id
+from workers.init_checkpoint import InitCheckpoint, unshare
+from workers.init_checkpoint import verify as verify_init
 from workers.rank_env import rank_environment
 from workers.scratch import make_scratch, short_tmp
 
@@ -101,12 +103,16 @@ def prepare(
     output_dir: Path,
     unsandboxed: str | None,
     interface: str | None = None,
+    init: InitCheckpoint | None = None,
 ) -> RankSetup:
     """Unpack the code, make the scratch, hand the run's folders to the ranks' user, build their environment.
 
     `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can;
-    `interface` is the network interface of this node's address in a multi-node attempt.
+    `interface` is the network interface of this node's address in a multi-node attempt; `init` the
+    job's init_from checkpoint when its ranks start from it (verified here first, SetupFailed if not).
     """
+    if init is not None and (mismatch := verify_init(init)) is not None:
+        raise SetupFailed(mismatch)
     why = unsandboxed
     if why is not None and settings.sandbox == "required":
         raise SetupFailed(JobError(type="SandboxUnavailable", message=why))
@@ -117,13 +123,16 @@ def prepare(
     if why is None and root and run_as is None:
         run_as = RunAs.nobody()  # never root inside the sandbox
     if run_as is not None:
+        if init is not None:
+            unshare(init.folder)
         # A root bwrap binds what the ranks need whatever its folders' modes: only an unsandboxed
         # rank must be able to walk the artifact root to its run directory.
         _hand_over(
             run_as,
             settings=settings,
             run_dir=run_dir,
-            owned=(run_dir, checkpoint_dir, output_dir),
+            # The init folder too, its files unshared from the source's first (init_checkpoint.unshare).
+            owned=(run_dir, checkpoint_dir, output_dir, *([init.folder] if init else [])),
             reach=why is not None,
         )
     ours = sdk_env(
@@ -137,6 +146,7 @@ def prepare(
         code_dir=code_dir,
         data_root=settings.data_root,
         output_dir=output_dir,
+        init_checkpoint=init.path if init is not None else None,
     )
     # TMPDIR is short whatever the home's length: AF_UNIX paths (multiprocessing's) fit in 108 bytes.
     tmp = Path(sandbox.SANDBOX_TMP) if why is None else short_tmp(run_dir)
@@ -160,6 +170,7 @@ def prepare(
             tmp_dir=scratch.tmp,
             code_dir=code_dir,
             data_root=settings.data_root,
+            init_dir=init.folder if init is not None else None,
             gpus=spec.resources.device == "cuda",
             uid=run_as.uid if root and run_as else None,
             gid=run_as.gid if root and run_as else None,
@@ -196,6 +207,8 @@ def _hand_over(
 def take_back(*, run_dir: Path, checkpoint_dir: Path | None, output_dir: Path | None = None) -> None:
     """Make an ended attempt's files the worker's again, unreadable to the run-as user's later ranks."""
     uid, gid = os.getuid(), os.getgid()
-    for owned in (run_dir, checkpoint_dir, output_dir):
+    # The pinned init_from folder (a job's, beside its checkpoints), which `prepare` handed over too.
+    init_dir = run_dir.parents[1] / "init" if checkpoint_dir is not None else None
+    for owned in (run_dir, checkpoint_dir, output_dir, init_dir):
         if owned is not None and owned.exists():
             _own(owned, uid, gid)

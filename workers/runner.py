@@ -29,7 +29,7 @@ from service.jobs import repository as jobs_repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
 from service.scheduling import repository as placement
-from workers import sandbox
+from workers import init_checkpoint, sandbox
 from workers.attempts import end_abnormally, note_unsandboxed, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import Rendezvous, torchrun_command
@@ -147,6 +147,9 @@ def _accept(
             spec=spec,
             rendezvous=rendezvous,
             address=mine.address,
+            init=init_checkpoint.of_row(
+                job_id=job.init_job, step=job.init_step, path=job.init_path, sha256=job.init_sha256
+            ),
         )
 
 
@@ -216,6 +219,7 @@ def _supervise(
             # Probed once per worker process, for real (the worker's start did it already).
             unsandboxed=sandbox.unavailable(settings.sandbox),
             interface=interface_of(run.address) if run.rendezvous is not None else None,
+            init=init_checkpoint.needed(run.init, checkpoint_dir=paths.checkpoint_dir),
         )
     except SetupFailed as exc:
         remove_scratch(paths.run_dir)

@@ -81,6 +81,8 @@ class Box:
     gid: int | None = None
     # The job's DPTRAIN_OUTPUT_DIR, writable like its checkpoints.
     output_dir: Path | None = None
+    # The folder of the job's pinned `init_from` checkpoint (DPTRAIN_INIT_CHECKPOINT), read-only.
+    init_dir: Path | None = None
 
 
 def python_paths() -> list[Path]:
@@ -157,6 +159,7 @@ def bwrap_argv(box: Box, command: Sequence[str]) -> list[str]:
         *python_paths(),
         *([box.code_dir] if box.code_dir else []),
         *([box.data_root] if box.data_root else []),
+        *([box.init_dir] if box.init_dir else []),
     ]
     rw = _outermost([box.run_dir, box.checkpoint_dir, *([box.output_dir] if box.output_dir else [])])
     binds = [("--ro-bind", p) for p in ro] + [("--bind", p) for p in rw]

@@ -161,6 +161,12 @@ def checkpoints(session: Session, *, job_id: str) -> Sequence[Checkpoint]:
     return session.execute(stmt).scalars().all()
 
 
+def checkpoint_of_step(session: Session, *, job_id: str, step: int) -> Checkpoint | None:
+    """A job's checkpoint of `step`."""
+    stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step == step)
+    return session.execute(stmt).scalar_one_or_none()
+
+
 def checkpoint(session: Session, *, job_id: str, checkpoint_id: int) -> Checkpoint | None:
     """One checkpoint of a job."""
     stmt = select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.id == checkpoint_id)

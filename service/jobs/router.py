@@ -69,7 +69,7 @@ async def _env_grant(request: Request, user: CurrentUser) -> None:
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=Job,
-    responses=_REPLAY | error_responses(Conflict, Forbidden, PayloadTooLarge),
+    responses=_REPLAY | error_responses(Conflict, Forbidden, NotFound, PayloadTooLarge),
     dependencies=[Depends(_env_grant)],
 )
 async def submit_job(

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from api_schemas import (
     CheckpointInfo,
+    InitCheckpoint,
     Job,
     JobError,
     JobList,
@@ -26,7 +27,7 @@ from api_schemas import (
 from service.config import Settings
 from service.errors import Conflict, InvalidTransition, NotFound
 from service.etag import etag_of_version
-from service.jobs import lifecycle, repository, stored
+from service.jobs import init_from, lifecycle, repository, stored
 from service.jobs.stored import INVALID_SPEC
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
@@ -73,6 +74,7 @@ def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
         unplaceable=unplaceable,
         # The reason of an unplaceable job is placement.never_fits's sentence: the warning itself.
         warnings=[job.queued_reason] if unplaceable and job.queued_reason else [],
+        init_checkpoint=_init_checkpoint(job),
     )
     try:
         return Job(**fields)
@@ -84,13 +86,24 @@ def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
         return Job.model_construct(**fields)
 
 
-def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
+def _init_checkpoint(job: JobRow) -> InitCheckpoint | None:
+    if job.init_job is None or job.init_step is None or job.init_sha256 is None:
+        return None
+    return InitCheckpoint(job=job.init_job, step=job.init_step, sha256=job.init_sha256)
+
+
+def _stored(spec: JobSpec) -> dict[str, Any]:
     stored = spec.model_dump(mode="json")
     # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
     # shows is exactly what ran, whatever later versions choose as defaults. (A command's are only
     # those the user sent: it uses none of the defaults, see JobSpec's serializer.)
     if (params := spec.recipe_params()) is not None:
         stored["hyperparameters"].update(params.model_dump(mode="json"))
+    return stored
+
+
+def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
+    stored = _stored(spec)
     job_id = uuid.uuid4().hex
     queue.check_priority(user=user, spec=spec)
     never = None
@@ -106,6 +119,7 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
         )
         never = scheduling.unplaceable_reason(session, job=pending, settings=settings)
     return {
+        **_init_values(session, user=user, spec=spec, job_id=job_id, settings=settings),
         "id": job_id,
         "name": spec.name,
         "owner_id": user.id,
@@ -123,6 +137,28 @@ def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settin
     }
 
 
+def _init_values(
+    session: Session, *, user: User, spec: JobSpec, job_id: str, settings: Settings | None
+) -> dict[str, Any]:
+    """The new job's init_* columns (service/jobs/init_from.py): 404 for a source the user may not see."""
+    if spec.init_from is None:
+        return {}
+    if settings is None:
+        raise ValueError("init_from needs the service's settings (the artifact root its pin goes under)")
+    return init_from.row_values(
+        session,
+        owner_id=_visible_owner(user),
+        init=spec.init_from,
+        job_id=job_id,
+        artifacts=settings.artifacts,
+    )
+
+
+def _pin(session: Session, *, job: JobRow, settings: Settings | None) -> None:
+    if settings is not None:
+        init_from.pin_for(session, job=job, artifacts=settings.artifacts)
+
+
 def spec_hash(stored: dict[str, Any]) -> str:
     """sha256 of a spec's canonical JSON as stored, so equal specs hash equal however written."""
     canonical = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -138,6 +174,7 @@ def submit(session: Session, *, user: User, spec: JobSpec, settings: Settings | 
     assert job is not None
     if settings is not None:
         queue.check_queue_cap(session, user=user, settings=settings)
+    _pin(session, job=job, settings=settings)
     return job
 
 
@@ -150,19 +187,32 @@ def submit_once(
     insert wins, the others wait for it to commit and then read it. Conflict if the key was used
     with another spec. A replay answers the earlier job as it is now (its `unplaceable` included).
     """
+    if spec.init_from is not None:
+        # A replay answers the earlier job even once the source's checkpoint is pruned or the source
+        # is no longer readable: look first (the unique constraint still decides between racers).
+        earlier = repository.by_idempotency_key(session, owner_id=user.id, key=key)
+        if earlier is not None:
+            return _replayed(earlier, key=key, request_hash=spec_hash(_stored(spec))), False
     values = _row_values(session, user=user, spec=spec, settings=settings)
     values |= {"idempotency_key": key, "request_hash": spec_hash(values["spec"])}
     job, created = _insert(session, values=values)
     if created and settings is not None:
         # A replay adds no job, so only a job created now counts against the cap.
         queue.check_queue_cap(session, user=user, settings=settings)
+    if created:
+        assert job is not None
+        _pin(session, job=job, settings=settings)
     if job is None:
         job = repository.by_idempotency_key(session, owner_id=user.id, key=key)
         if job is None:  # the winner rolled back after all: never happens without a crash; retry
             raise Conflict(f"a submit with Idempotency-Key {key!r} is in flight; retry")
-    if job.request_hash != values["request_hash"]:
+    return _replayed(job, key=key, request_hash=values["request_hash"]), created
+
+
+def _replayed(job: JobRow, *, key: str, request_hash: str) -> JobRow:
+    if job.request_hash != request_hash:
         raise Conflict(f"Idempotency-Key {key!r} was already used for job {job.id} with another spec")
-    return job, created
+    return job
 
 
 def _insert(session: Session, *, values: dict[str, Any]) -> tuple[JobRow | None, bool]:
@@ -197,7 +247,7 @@ def queue_position(session: Session, *, job: JobRow) -> int | None:
 
 # Part of every job ETag: bump it whenever the JSON of an unchanged row changes (a field added to
 # `Job`, another rendering of one), so clients holding an old ETag get the new body.
-JOB_REPRESENTATION = 3
+JOB_REPRESENTATION = 4
 
 
 def job_etag(job: JobRow, *, owner: str, position: int | None = None) -> str:

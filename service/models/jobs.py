@@ -111,6 +111,13 @@ class Job(Base):
     # queued job there, and never before the queue's current head. Ordering by it takes each owner's
     # first queued job, then each owner's second, and so on (service/scheduling/queue.py).
     fair_key: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The spec's `init_from` as resolved at submit: the source job and step, the pinned file (a hard
+    # link under this job's folder, service/jobs/init_from.py) and the sha256 its attempts verify.
+    # No foreign key: the source may be deleted, the pinned file stays this job's.
+    init_job: Mapped[str | None] = mapped_column(String(32), default=None)
+    init_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    init_path: Mapped[str | None] = mapped_column(Text, default=None)
+    init_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
 
 
 class JobTransition(Base):

@@ -191,6 +191,14 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     expect(page.locator("#cancel")).to_be_hidden()
     page.screenshot(path=str(REPORTS / "dashboard.png"), full_page=True)
 
+    # Continue: the same spec again, from its newest checkpoint (step 40: nothing left to run), on
+    # a page of its own that links back to it.
+    page.click("#continue")
+    expect(page.locator("#init-from")).to_contain_text(f"{short_id} step 40")
+    continued = stack.http.get("/v1/jobs?label=suite=dashboard").json()["items"][0]
+    assert continued["spec"]["init_from"] == {"job": short_id, "step": None, "best": False, "resume": True}
+    assert continued["name"] == "ui-short" and continued["init_checkpoint"]["step"] == 40, continued
+
     # A command's outputs: what it wrote to DPTRAIN_OUTPUT_DIR is listed on its page, with its sha256.
     writes = "import os; open(os.environ['DPTRAIN_OUTPUT_DIR'] + '/notes.txt', 'w').write('kept')"
     r = stack.http.post("/v1/jobs", json={"name": "ui-outputs", "command": ["python", "-c", writes]})

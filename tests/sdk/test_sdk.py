@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dptrain
-from rank_contract.env import RUN_DIR_ENV, sdk_env, stop_file
+from rank_contract.env import INIT_CHECKPOINT_ENV, RUN_DIR_ENV, sdk_env, stop_file
 from workers.engine.checkpoint import CheckpointManager, checkpoint_files, sha256_file
 from workers.engine.events import CheckpointEvent, Event, MetricsEvent, events_path, parse_event
 
@@ -149,3 +149,25 @@ def test_output_dir_is_the_jobs_under_dptrain_and_the_default_outside(
     )
     monkeypatch.setenv("DPTRAIN_OUTPUT_DIR", env["DPTRAIN_OUTPUT_DIR"])
     assert dptrain.output_dir("ignored") == tmp_path / "outputs"
+
+
+def test_load_checkpoint_gives_the_init_from_one_until_the_job_has_its_own(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The init file as the worker hands it over: another job's checkpoint, pinned with its sidecars.
+    source = CheckpointManager(tmp_path / "init", 1, is_main=True, training_state=False)
+    saved = source.save(20, _state(20))
+    assert saved is not None
+    monkeypatch.setenv(INIT_CHECKPOINT_ENV, str(saved.path))
+    state = dptrain.load_checkpoint()
+    assert state is not None and state["step"] == 20, "no checkpoint of its own: the init_from one"
+    dptrain.save_checkpoint(_state(21), 21)
+    own = dptrain.load_checkpoint()
+    assert own is not None and own["step"] == 21, "its own checkpoints win"
+    for name in os.listdir(tmp_path / "ckpt"):
+        os.remove(tmp_path / "ckpt" / name)
+    data = bytearray(saved.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    saved.path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="xxh128"):
+        dptrain.load_checkpoint()

@@ -59,11 +59,16 @@ def store_code(settings: Settings, tree: Path, work: Path) -> str:
     return packed.sha256
 
 
-def submit_as_admin(sessions: sessionmaker[Session], spec: dict[str, Any]) -> str:
-    """Submit `spec` as the bootstrap admin through the jobs service (no API); returns the job id."""
+def submit_as_admin(
+    sessions: sessionmaker[Session], spec: dict[str, Any], *, settings: Settings | None = None
+) -> str:
+    """Submit `spec` as the bootstrap admin through the jobs service (no API); returns the job id.
+
+    With `settings` the submit applies them as the API does (an `init_from` needs their artifact root).
+    """
     with sessions.begin() as s:
         user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
-        return service.submit(s, user=user, spec=JobSpec.model_validate(spec)).id
+        return service.submit(s, user=user, spec=JobSpec.model_validate(spec), settings=settings).id
 
 
 def place_here(settings: Settings, *, job_id: str) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from rank_contract.env import SUPERVISOR_ENV
+from rank_contract.env import INIT_CHECKPOINT_ENV, SUPERVISOR_ENV
 from workers.engine.events import EventWriter, events_path
 from workers.engine.launch import watch_supervisor
 from workers.engine.loader_faults import loader_failure
@@ -141,6 +141,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
             local_batch_size=config.local_batch_size,
             fault=fault,
             backend=backend,
+            init_checkpoint=Path(init) if (init := os.environ.get(INIT_CHECKPOINT_ENV)) else None,
         ).train()
         print(f"job {args.job_id}: rank {env.rank} done")
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from workers.engine.conventions import check_loss, loss_and_outputs, make_optimi
 from workers.engine.evaluation import evaluator_for
 from workers.engine.events import EventWriter, FinishedEvent, MetricsEvent, StartedEvent
 from workers.engine.faults import Fault
+from workers.engine.init_state import start_from_init
 from workers.engine.input_pipeline import InputPipeline
 from workers.engine.local_sgd import LocalSGD
 from workers.engine.memory import checkpoint_activations
@@ -52,8 +54,10 @@ class Trainer:
         local_batch_size: int,
         fault: Fault | None = None,
         backend: str | None = None,
+        init_checkpoint: Path | None = None,
     ) -> None:
         self.spec, self.env, self.device = spec, env, device
+        self.init_checkpoint = init_checkpoint  # init_from's file, while the job has none of its own
         self.events, self.checkpoints, self.fault, self.backend = events, checkpoints, fault, backend
         self.local_batch_size = local_batch_size  # engine.config's, at this world size
         self.plan = plan
@@ -161,7 +165,7 @@ class Trainer:
         loaded = self.checkpoints.load() if self.env.is_main else None
         step = distributed.broadcast_int(self.env, loaded.step if loaded else -1, self.device)
         if step < 0:
-            return None
+            return None if self.init_checkpoint is None else start_from_init(self, self.init_checkpoint)
         if loaded is None:
             loaded = self.checkpoints.load(step=step)
         assert loaded is not None

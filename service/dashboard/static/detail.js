@@ -1,4 +1,4 @@
-// One job: header and cancel, live loss, evaluation, throughput and data-wait charts (uPlot), latest
+// One job: header, cancel and continue, live loss, evaluation, throughput and data-wait charts (uPlot), latest
 // metrics, state timeline, checkpoints (the best one badged), artifacts, per-rank log tail and the spec. Live over the SSE stream;
 // polling if that fails.
 "use strict";
@@ -63,9 +63,13 @@
     function renderHeader() {
       const cancel = el("button", { class: "danger", id: "cancel", text: job.cancel_requested ? "Cancelling…" : "Cancel",
         disabled: job.cancel_requested, hidden: TERMINAL.has(job.status), onclick: onCancel });
+      // An ended job goes on from its newest checkpoint: its spec again, init_from it with resume.
+      const cont = el("button", { id: "continue", text: "Continue", hidden: !TERMINAL.has(job.status), onclick: onContinue,
+        title: "Submit this spec again, continuing from this job's newest checkpoint (optimizer and step included)" });
+      const init = job.init_checkpoint;
       header.replaceChildren(
         el("div", { class: "head" }, el("h1", { text: job.name }), badge(job.status), progressBar(job.progress),
-          el("span", { class: "spacer" }), cancel),
+          el("span", { class: "spacer" }), cancel, cont),
         el("dl", { class: "kv", style: "margin-top:10px" },
           el("dt", { text: "id" }), el("dd", { class: "mono", text: job.id }),
           el("dt", { text: "owner" }), el("dd", { text: job.owner }),
@@ -73,6 +77,9 @@
           el("dd", { class: job.spec.command ? "mono" : null, text: job.spec.recipe || job.spec.entrypoint || (job.spec.command || []).join(" ") }),
           el("dt", { text: "ranks" }), el("dd", { text: `${job.spec.resources.nodes} × ${job.spec.resources.processes_per_node} ${job.spec.resources.device}` }),
           el("dt", { text: "attempt" }), el("dd", { text: String(job.attempt) }),
+          init ? el("dt", { text: job.spec.init_from.resume ? "continues" : "starts from" }) : null,
+          init ? el("dd", { id: "init-from" }, el("a", { href: `#/jobs/${init.job}`, class: "mono", text: init.job }),
+            ` step ${init.step}`, el("span", { class: "muted mono", text: ` sha256 ${init.sha256.slice(0, 12)}…` })) : null,
           job.queue_position ? el("dt", { text: "queue position" }) : null,
           job.queue_position ? el("dd", { id: "queue-position", text: `#${job.queue_position} in the ${job.spec.resources.device} queue` }) : null,
           job.queued_reason ? el("dt", { text: "waiting" }) : null,
@@ -101,6 +108,14 @@
       try {
         const r = await api(`/v1/jobs/${jobId}/cancel`, { method: "POST" });
         setJob(r.data);
+      } catch (e) { problem.textContent = e.message; ev.target.disabled = false; }
+    }
+
+    async function onContinue(ev) {
+      ev.target.disabled = true;
+      try {
+        const r = await api("/v1/jobs", { method: "POST", body: { ...job.spec, init_from: { job: job.id, resume: true } } });
+        location.hash = `#/jobs/${r.data.id}`;
       } catch (e) { problem.textContent = e.message; ev.target.disabled = false; }
     }
 
