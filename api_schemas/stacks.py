@@ -25,7 +25,9 @@ class ThreadStack(BaseModel):
 
 
 class ProcessStack(BaseModel):
-    rank: int | None = Field(description="The process's RANK; null where its environment does not say.")
+    rank: int | None = Field(
+        description="The process's RANK; null where neither its environment nor its name says."
+    )
     pid: int = Field(description="The host's pid (the ranks' own namespace numbers them differently).")
     command: str = ""
     where: str | None = Field(

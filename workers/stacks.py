@@ -9,9 +9,9 @@ parent) or a py-spy with `cap_sys_ptrace` (docs/security.md). Without py-spy or 
 dump says why instead, and the attempt goes on (or ends) as it would have.
 
 Which processes: each process of the job that carries a RANK in its environment (a command's
-program, what it started, a CUDA rank), and a rank forked without one (the CPU engine's agent
-forks its ranks: their rank is not in /proc, so they are named by pid). Never the launcher
-(torchrun, the agent) nor workers.command_rank, which only waits on its program.
+program, what it started, a CUDA rank), and each fork of the CPU engine's agent (whose RANK is not
+in /proc: the rank names its process instead, rank_contract/process_name.py). Never the launcher
+(torchrun, the agent), the sandbox's bwrap, nor workers.command_rank, which only waits on its program.
 
 Where a process is (`where`), from its main thread's frames, innermost first:
 1. the innermost frame of the user's code (a file outside the worker's Python installation and
@@ -42,6 +42,7 @@ from typing import Any
 import psutil
 
 from api_schemas import ProcessStack, StackDump, StackFrame, StackReason, ThreadStack
+from rank_contract.process_name import rank_of
 from service.models.base import utcnow
 from workers.procs import rank_processes
 
@@ -88,17 +89,17 @@ def targets(job_id: str, *, node: str) -> list[Target]:
     out = []
     for p in sorted(found.values(), key=_created):
         try:
-            cmd, env, parent = p.cmdline(), p.environ(), p.ppid()
+            cmd, env, parent, name = p.cmdline(), p.environ(), p.ppid(), p.name()
+            forked = parent in found and found[parent].cmdline() == cmd
         except psutil.Error:
             continue  # gone meanwhile, or not ours to read
         if COMMAND_WRAPPER in cmd:
-            continue
+            continue  # the wrapper (and torchrun and bwrap, whose command lines name it)
         rank = env.get("RANK")
-        if rank is None and parent not in found:
-            continue  # the launcher: torchrun, or the agent that forks the ranks
-        out.append(
-            Target(pid=p.pid, rank=int(rank) if rank and rank.isdigit() else None, command=" ".join(cmd))
-        )
+        if rank is None and not forked:
+            continue  # the launcher (torchrun, the agent) or the sandbox's bwrap
+        number = int(rank) if rank is not None and rank.isdigit() else rank_of(name)
+        out.append(Target(pid=p.pid, rank=number, command=" ".join(cmd)))
     return out
 
 
