@@ -87,6 +87,7 @@ class Reporter:
         self.job_id = job_id
         self.attempt = attempt
         self.claim_token = claim_token
+        self.run_dir = run_dir
         self.events = TailSet(run_dir / "events", "rank*.jsonl")
         self.logs = TailSet(run_dir / "logs", "*.log")
         self.state = RunState()

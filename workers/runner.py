@@ -359,9 +359,7 @@ def _watch(
     guard: Guard | None,
 ) -> None:
     """Report what the ranks write while torchrun runs, and stop them when `watch` decides to."""
-    stacks = StackWatch(
-        sessions=reporter.sessions, job_id=job_id, attempt=reporter.attempt, node=settings.node
-    )
+    stacks = StackWatch.of(reporter, node=settings.node)
     last_flush = time.monotonic()
     while proc.poll() is None:
         # Until the first step is reported, look at the ranks' files often and report as soon

@@ -15,37 +15,43 @@ Each dump is best effort: nothing here may fail or stop a run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import re
 from datetime import datetime
+from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import StackDump, StackReason
+from rank_contract.stacks import collective_timed_out, stacks_taken_file
 from service.jobs import lifecycle, repository, stacks_repository
 from workers import stacks
-from workers.reporting import RunState
+from workers.reporting import Reporter, RunState
 
 log = logging.getLogger(__name__)
-
-# A rank's error that says a collective timed out: NCCL's watchdog, or Gloo's transport.
-_COLLECTIVE_TIMEOUT = re.compile(
-    r"Watchdog caught collective operation timeout|gloo.*Timed out|Timed out.*gloo", re.S
-)
-
-
-def collective_timed_out(message: str) -> bool:
-    """Whether a rank's error message is NCCL's or Gloo's collective timeout."""
-    return bool(_COLLECTIVE_TIMEOUT.search(message))
 
 
 class StackWatch:
     """One node's dumps of its ranks' stacks during an attempt."""
 
-    def __init__(self, *, sessions: sessionmaker[Session], job_id: str, attempt: int, node: str) -> None:
+    def __init__(
+        self, *, sessions: sessionmaker[Session], job_id: str, attempt: int, node: str, run_dir: Path
+    ) -> None:
         self.sessions, self.job_id, self.attempt, self.node = sessions, job_id, attempt, node
+        self.run_dir = run_dir
         self._answered: datetime | None = None
         self._at_end = False
+
+    @classmethod
+    def of(cls, reporter: Reporter, *, node: str) -> StackWatch:
+        """The dumps of the attempt `reporter` reports for, on worker node `node`."""
+        return cls(
+            sessions=reporter.sessions,
+            job_id=reporter.job_id,
+            attempt=reporter.attempt,
+            node=node,
+            run_dir=reporter.run_dir,
+        )
 
     def after_report(self, state: RunState) -> None:
         """After each flush: dump at a collective timeout a rank reported, or for a new request."""
@@ -67,6 +73,9 @@ class StackWatch:
             return
         self._at_end = True
         taken = self._take(reason, requested_at=None)
+        # The rank whose collective timed out waits for this before it exits (rank_contract/stacks.py).
+        with contextlib.suppress(OSError):
+            stacks_taken_file(self.run_dir).touch()
         if taken is not None:
             state.stacks_summary = stacks.summary(taken)
 

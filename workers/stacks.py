@@ -10,7 +10,7 @@ dump says why instead, and the attempt goes on (or ends) as it would have.
 
 Which processes: each process of the job that carries a RANK in its environment (a command's
 program, what it started, a CUDA rank), and each fork of the CPU engine's agent (whose RANK is not
-in /proc: the rank names its process instead, rank_contract/process_name.py). Never the launcher
+in /proc: the rank names its process instead, rank_contract/stacks.py). Never the launcher
 (torchrun, the agent), the sandbox's bwrap, nor workers.command_rank, which only waits on its program.
 
 Where a process is (`where`), from its main thread's frames, innermost first:
@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 
 from api_schemas import ProcessStack, StackDump, StackFrame, StackReason, ThreadStack
-from rank_contract.process_name import rank_of
+from rank_contract.stacks import rank_of
 from service.models.base import utcnow
 from workers.procs import rank_processes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api_schemas import StackFrame
-from workers.stack_watch import collective_timed_out
+from rank_contract.stacks import collective_timed_out
 from workers.stacks import Library, describe
 
 LIB = Library(python=("/py/",), ours=("/repo/workers/",))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -21,7 +22,15 @@ from service.app import create_app
 from service.config import Settings
 from service.models import LogLine, RankStacks
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.workers.runs import job_row, node_fixtures, run_in_thread, store_code, submit_as_admin, timeline
+from tests.workers.runs import (
+    job_row,
+    node_fixtures,
+    run_attempt,
+    run_in_thread,
+    store_code,
+    submit_as_admin,
+    timeline,
+)
 from workers.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
@@ -29,6 +38,8 @@ pytestmark = pytest.mark.e2e
 settings, sessions = node_fixtures()
 
 SCRIPT = """\
+import datetime
+import sys
 import time
 
 import torch
@@ -41,10 +52,12 @@ def wait_for_peer():
 
 
 dist.init_process_group("gloo")
+# --timeout: a group whose collectives time out after 3 s (the default group waits 30 minutes).
+group = dist.new_group(timeout=datetime.timedelta(seconds=3)) if "--timeout" in sys.argv else None
 rank = dist.get_rank()
 print(f"rank {rank} ready", flush=True)
 if rank == 0:
-    dist.all_reduce(torch.ones(1))  # ALL_REDUCE: rank 1 never joins it
+    dist.all_reduce(torch.ones(1), group=group)  # ALL_REDUCE: rank 1 never joins it
 else:
     wait_for_peer()
 """
@@ -79,24 +92,33 @@ def _wait_ready(sessions: sessionmaker[Session], job_id: str, timeout: float = 1
 
 
 @pytest.fixture(scope="module")
+def code_sha(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The script's tree, stored where `PUT /v1/code/{sha256}` would have put it."""
+    tree = tmp_path_factory.mktemp("tree")
+    (tree / "train.py").write_text(SCRIPT)
+    return store_code(settings, tree, tmp_path_factory.mktemp("pack"))
+
+
+def _spec(settings: Settings, code_sha: str, *args: str, **over: Any) -> dict[str, Any]:
+    spec = {
+        "name": "hang",
+        "command": ["python", "train.py", *args],
+        "code": {"sha256": code_sha},
+        "resources": {"processes_per_node": 2},
+    }
+    return spec | over
+
+
+@pytest.fixture(scope="module")
 def hung(
     settings: Settings,
     sessions: sessionmaker[Session],
     api: TestClient,
-    tmp_path_factory: pytest.TempPathFactory,
+    code_sha: str,
 ) -> tuple[str, JobStacks, JobStatus]:
     """A hung job: its stacks asked for while it hangs, then its end (the stall watchdog's)."""
-    tree = tmp_path_factory.mktemp("tree")
-    (tree / "train.py").write_text(SCRIPT)
-    spec = {
-        "name": "hang",
-        "command": ["python", "train.py"],
-        "code": {"sha256": store_code(settings, tree, tmp_path_factory.mktemp("pack"))},
-        "resources": {"processes_per_node": 2},
-        # Long enough for the request below to be answered before the watchdog ends the hang.
-        "stall_timeout_seconds": 20,
-    }
-    job_id = submit_as_admin(sessions, spec)
+    # Long enough for the request below to be answered before the watchdog ends the hang.
+    job_id = submit_as_admin(sessions, _spec(settings, code_sha, stall_timeout_seconds=20))
     thread, out = run_in_thread(settings, job_id)
     try:
         _wait_ready(sessions, job_id)
@@ -156,3 +178,20 @@ def test_stacks_of_a_job_that_is_not_running_are_a_409_and_of_an_unknown_one_a_4
     r = api.get(f"/v1/jobs/{job_id}/stacks")
     assert r.status_code == 409 and "only while it runs" in r.json()["detail"], r.text
     assert api.get("/v1/jobs/no-such-job/stacks").status_code == 404
+
+
+def test_a_collective_timeout_names_where_the_rank_still_alive_was(
+    settings: Settings, sessions: sessionmaker[Session], code_sha: str
+) -> None:
+    job_id = submit_as_admin(sessions, _spec(settings, code_sha, "--timeout"))
+    assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
+    error = JobError.model_validate(job_row(sessions, job_id).error)
+    # Rank 0's own error, then where rank 1 was when the worker saw it: rank 0 waited for that dump
+    # before exiting, so torchrun had not torn rank 1 down yet.
+    assert error.rank == 0 and "Timed out" in error.message, error
+    assert error.message.endswith(f"; rank 1 in wait_for_peer (train.py:{_line('WAIT')})"), error
+    lines = [(line.rank, line.line) for line in _logs(sessions, job_id)]
+    assert any(
+        r == 1 and text.startswith("dptrain: stacks (collective timeout) of rank 1") for r, text in lines
+    )
+    assert rank_processes(job_id) == []

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
-from rank_contract.process_name import name_this_rank
+from rank_contract.stacks import await_dump, collective_timed_out, name_this_rank
 from workers.engine.events import EventWriter, events_path
 from workers.engine.launch import watch_supervisor
 from workers.engine.loader_faults import loader_failure
@@ -200,9 +200,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if (typed := loader_failure(exc, rank=rank)) is not None:
             typed.__cause__ = exc
             exc = typed.with_traceback(exc.__traceback__)
-        events.error(exc)
+        event = events.error(exc)
         if not launched:
             raise exc
+        if collective_timed_out(event.message):
+            # Still alive, this rank keeps torchrun from tearing down the others until the worker
+            # has read where they hang (rank_contract/stacks.py).
+            await_dump(args.run_dir)
         exit_failed_rank(exc, events)
     finally:
         events.close()
