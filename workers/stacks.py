@@ -53,6 +53,9 @@ PY_SPY_TIMEOUT_SECONDS = 20
 # Bounds on what one dump stores and logs: a script with thousands of threads or a deep recursion.
 MAX_THREADS = 64
 MAX_FRAMES = 64
+# What one dump writes to the job's log at most (many ranks, each with many loader processes); the
+# rest is cut with a line saying how much, and is in the stored dump.
+MAX_LOG_LINES = 5000
 # Decorators' frames between the user's call and the API it called (torch.distributed's collectives
 # are wrapped by c10d_logger's `wrapper`; torch.no_grad's by `decorate_context`).
 WRAPPER_NAMES = frozenset({"wrapper", "inner", "wrapped", "_fn", "decorate_context", "wrapper_fn"})
@@ -258,6 +261,12 @@ def log_lines(stacks: StackDump) -> list[tuple[int | None, str]]:
             lines.extend((p.rank, f"dptrain:     {f.name} ({f.file}:{f.line})") for f in t.frames)
     if stacks.note:
         lines.append((None, f"dptrain: stacks ({stacks.reason}): {stacks.note}"))
+    if len(lines) > MAX_LOG_LINES:
+        cut = len(lines) - MAX_LOG_LINES + 1
+        lines = [
+            *lines[: MAX_LOG_LINES - 1],
+            (None, f"dptrain: stacks ({stacks.reason}): {cut} more lines cut"),
+        ]
     return lines
 
 
