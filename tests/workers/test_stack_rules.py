@@ -1,11 +1,15 @@
-"""Which frame names where a rank is, and which errors are a collective's timeout (workers/stacks.py)."""
+"""Which frame names where a rank is, which errors are a collective timeout, a dump py-spy cannot make."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 
 from api_schemas import StackFrame
 from rank_contract.stacks import collective_timed_out
+from workers import stacks
 from workers.stacks import Library, describe
 
 LIB = Library(python=("/py/",), ours=("/repo/workers/",))
@@ -60,3 +64,30 @@ def test_only_library_frames_name_the_innermost() -> None:
 )
 def test_gloo_and_nccl_collective_timeouts_are_recognised(message: str, timed_out: bool) -> None:
     assert collective_timed_out(message) is timed_out
+
+
+def test_without_py_spy_the_dump_says_so_and_reads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stacks, "py_spy", lambda: None)
+    monkeypatch.setattr(
+        stacks, "targets", lambda job_id, node: [stacks.Target(pid=4711, rank=0, command="python")]
+    )
+    dump = stacks.dump("job", node="n1", attempt=1, reason="request")
+    assert dump.note == stacks.PY_SPY_MISSING and dump.processes[0].error == stacks.PY_SPY_MISSING
+    assert stacks.summary(dump) == stacks.PY_SPY_MISSING
+
+
+@pytest.mark.e2e
+def test_a_refused_ptrace_is_noted_with_py_spys_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # py-spy as an unprivileged worker meets it (Yama's ptrace_scope, another uid): its own words.
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\necho 'Error: Permission denied (os error 13)' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(stacks, "py_spy", lambda: str(fake))
+    monkeypatch.setattr(
+        stacks, "targets", lambda job_id, node: [stacks.Target(pid=os.getpid(), rank=1, command="python")]
+    )
+    dump = stacks.dump("job", node="n1", attempt=1, reason="stall")
+    assert dump.processes[0].error == "Error: Permission denied (os error 13)"
+    assert dump.note is not None and "could not be read" in dump.note and "docs/security.md" in dump.note
