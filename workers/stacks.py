@@ -113,12 +113,10 @@ def _created(p: psutil.Process) -> float:
         return 0.0
 
 
-def dump(
-    job_id: str, *, node: str, attempt: int, reason: StackReason, exclude: Iterable[int] = ()
-) -> StackDump:
-    """Read the stacks of every rank of `job_id` on `node` (not the pids in `exclude`), all at once."""
+def dump(job_id: str, *, node: str, attempt: int, reason: StackReason) -> StackDump:
+    """Read the stacks of every rank of `job_id` on `node`, all at once."""
     taken_at = utcnow()
-    found = [t for t in targets(job_id, node=node) if t.pid not in set(exclude)]
+    found = targets(job_id, node=node)
     spy = py_spy()
     note = None
     if spy is None:
