@@ -28,6 +28,7 @@ from api_schemas.jobs import (
     entrypoint_allowed,
 )
 from api_schemas.recipes import EVAL_METRICS, RECIPES
+from api_schemas.stacks import JobStacks, ProcessStack, StackDump, StackFrame, StackReason, ThreadStack
 from api_schemas.training import EVAL_METRIC_PATTERN, EvaluationSpec, KeepBest
 from api_schemas.users import IssuedToken, UserCreate, UserInfo
 from api_schemas.workers import Worker, WorkerList
@@ -54,13 +55,19 @@ __all__ = [
     "InitCheckpoint",
     "InitFrom",
     "JobSpec",
+    "JobStacks",
     "JobStatus",
     "KeepBest",
     "LogLine",
     "LogPage",
     "MetricSeries",
+    "ProcessStack",
     "Progress",
     "Resources",
+    "StackDump",
+    "StackFrame",
+    "StackReason",
+    "ThreadStack",
     "Timeline",
     "Transition",
     "UserCreate",

@@ -38,6 +38,7 @@ from api_schemas import (
     Job,
     JobList,
     JobSpec,
+    JobStacks,
     JobStatus,
     LogLine,
     LogPage,
@@ -217,6 +218,13 @@ class Client:
     def cancel(self, job_id: str) -> Job:
         """Ask a job to stop (a queued one ends at once); cancelling an ended job changes nothing."""
         return Job.model_validate(self._json("POST", f"/v1/jobs/{job_id}/cancel"))
+
+    def stacks(self, job_id: str, *, wait: float = 10.0) -> JobStacks:
+        """Every thread of every rank of a running job, read by its workers (who get `wait` s to answer)."""
+        # The server waits up to `wait` seconds for the dump: the read must outlast it.
+        timeout = httpx.Timeout(30.0, read=wait + 30.0)
+        data = self._json("GET", f"/v1/jobs/{job_id}/stacks", params={"wait": wait}, timeout=timeout)
+        return JobStacks.model_validate(data)
 
     def wait(
         self,

@@ -1,4 +1,4 @@
-"""`dptrain`: talk to the service (submit, status, list, cancel, logs, watch, download) or run it.
+"""`dptrain`: talk to the service (submit, status, list, cancel, logs, stacks, watch, download) or run it.
 
 Built on `dptrain.Client`. The client commands need only the light install (`pip install dptrain`);
 the server commands (api, worker, migrate, up, users) live in `dptrain_server`, which is loaded only
@@ -30,6 +30,7 @@ from dptrain_cli.follow import Progress, watch_job
 from dptrain_cli.junit import junit_report
 from dptrain_cli.lazy import WithServerCommands
 from dptrain_cli.output import Output, emit_json, inert, out, say, step_text
+from dptrain_cli.stacks import show_stacks
 from dptrain_cli.upload import ship_code
 
 app = typer.Typer(
@@ -312,6 +313,17 @@ def logs(
             else:
                 who = "launcher" if line.rank is None else f"rank{line.rank}"
                 say(f"{who} {line.line}")
+
+
+@app.command()
+def stacks(
+    job_id: str,
+    wait: float = typer.Option(10.0, min=0, max=30, help="Seconds to wait for the workers' fresh dump."),
+    output: Output = OUTPUT,
+) -> None:
+    """Print where every thread of every rank of a running job is (py-spy, read by its workers)."""
+    if (found := _fetch(output, lambda c: c.stacks(job_id, wait=wait))) is not None:
+        show_stacks(found)
 
 
 @app.command()

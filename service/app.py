@@ -25,6 +25,7 @@ from service.headers import SecurityHeaders
 from service.jobs.artifacts_router import router as artifacts_router
 from service.jobs.poll_cache import JobPollCache, listen
 from service.jobs.router import router as jobs_router
+from service.jobs.stacks_router import router as stacks_router
 from service.limits import BodyLimit, TokenBuckets
 from service.nodes.router import router as nodes_router
 from service.ops.metrics import DatabaseCollector, RequestLatency, request_histogram
@@ -108,6 +109,7 @@ def create_app(
     app.add_middleware(SecurityHeaders, docs_paths=docs_paths)
     app.include_router(jobs_router)
     app.include_router(artifacts_router)
+    app.include_router(stacks_router)
     app.include_router(users_router)
     app.include_router(nodes_router)
     app.include_router(ops_router)

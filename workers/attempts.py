@@ -243,6 +243,8 @@ def record_outcome(
         return JobStatus.FAILED
     if stopped_for == "stall":
         message = f"no progress for {watch.stall_seconds:g} s: no rank reported a step or wrote a log line"
+        if reporter.state.stacks_summary:
+            message = f"{message}; {reporter.state.stacks_summary}"
         return end_abnormally(sessions, att=att, error=JobError(type="Stalled", message=message))
     if rc == 0 and done:
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
@@ -254,4 +256,7 @@ def record_outcome(
         message = "its worker was stopped; the job resumes from its last checkpoint"
         return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
     error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
+    if reporter.state.stacks_summary:
+        # Where the other ranks were when a collective timed out (workers/stack_watch.py).
+        error = error.model_copy(update={"message": f"{error.message}; {reporter.state.stacks_summary}"})
     return end_abnormally(sessions, att=att, error=error)

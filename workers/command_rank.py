@@ -25,6 +25,7 @@ from types import FrameType
 from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
+from rank_contract.stacks import await_dump, collective_timed_out
 from workers.clean_end import after_finish
 from workers.command_args import expand_command
 from workers.engine.events import ErrorEvent, EventWriter, events_path
@@ -137,7 +138,14 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     if returncode == 0:
         _end(events, None, 0)
     code = 128 - returncode if returncode < 0 else returncode  # a shell's code for a killed program
-    _end(events, failure(rank, returncode, run_dir=args.run_dir, log_path=log_path), code)
+    failed = failure(rank, returncode, run_dir=args.run_dir, log_path=log_path)
+    if collective_timed_out(failed.message):
+        # Alive, this wrapper keeps torchrun from tearing down the other ranks until the worker has
+        # read where they hang (rank_contract/stacks.py).
+        events.emit(failed)
+        await_dump(args.run_dir)
+        _end(events, None, code)
+    _end(events, failed, code)
 
 
 if __name__ == "__main__":

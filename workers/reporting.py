@@ -7,6 +7,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError
 from service.config import get_settings
-from service.jobs import lifecycle, repository
+from service.jobs import lifecycle, repository, stacks_repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
 from workers.engine.events import (
@@ -57,6 +58,10 @@ class RunState:
     warnings: list[WarningEvent] = field(default_factory=list)
     cancel_requested: bool = False
     fenced_out: bool = False
+    # The latest request for the ranks' stacks (workers/stack_watch.py), and where the ranks were
+    # when a stall or a collective timeout ended the attempt, for its error message.
+    stacks_requested_at: datetime | None = None
+    stacks_summary: str | None = None
 
 
 class Reporter:
@@ -82,6 +87,7 @@ class Reporter:
         self.job_id = job_id
         self.attempt = attempt
         self.claim_token = claim_token
+        self.run_dir = run_dir
         self.events = TailSet(run_dir / "events", "rank*.jsonl")
         self.logs = TailSet(run_dir / "logs", "*.log")
         self.state = RunState()
@@ -210,6 +216,7 @@ class Reporter:
                 for note in self._notes:
                     lifecycle.note_running(session, job_id=self.job_id, attempt=self.attempt, note=note)
                 self.state.cancel_requested = repository.cancel_requested(session, job_id=self.job_id)
+                self.state.stacks_requested_at = stacks_repository.requested_at(session, job_id=self.job_id)
         except Exception:  # noqa: BLE001 - any database error: keep the batch and try again
             log.warning("job %s: reporting to the database failed; will retry", self.job_id, exc_info=True)
             return False

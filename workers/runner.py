@@ -40,6 +40,7 @@ from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
 from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
 from workers.reporting import Reporter, final_flush
 from workers.scratch import remove_earlier, remove_scratch
+from workers.stack_watch import StackWatch
 from workers.watch import Watch, stop_file, stopping
 
 log = logging.getLogger(__name__)
@@ -362,6 +363,7 @@ def _watch(
     guard: Guard | None,
 ) -> None:
     """Report what the ranks write while torchrun runs, and stop them when `watch` decides to."""
+    stacks = StackWatch.of(reporter, node=settings.node)
     last_flush = time.monotonic()
     while proc.poll() is None:
         # Until the first step is reported, look at the ranks' files often and report as soon
@@ -374,9 +376,11 @@ def _watch(
         due = time.monotonic() - last_flush >= settings.report_interval_seconds
         if waiting and not due and not reporter.pending:
             continue
-        reporter.flush()
+        if reporter.flush() and watch.stopped_for is None:
+            stacks.after_report(reporter.state)
         last_flush = time.monotonic()
         if watch.stopped_for is None and (reason := _stop_reason(reporter, watch, deadline, guard)):
+            stacks.before_stop(reporter.state, reason)  # a stall: where each rank hangs
             watch.stop(reason)
             log.info("job %s: stopping its ranks (%s)", job_id, reason)
         if watch.signal_due():

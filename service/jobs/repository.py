@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from api_schemas import JobStatus
 from service.db import insert_for, is_postgresql
 from service.jobs import metrics_repository, rollups_repository
-from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, User
+from service.models import Checkpoint, Job, JobTransition, LogLine, Metric, RankStacks, User
 from service.scheduling import queue_repository
 
 
@@ -302,7 +302,7 @@ def delete_checkpoints(session: Session, *, job_id: str, paths: list[str]) -> No
 
 
 def purge_history(session: Session, *, finished_before: datetime, limit: int = 100) -> int:
-    """Delete log lines, metric points and their rollups of up to `limit` jobs finished before the cutoff.
+    """Delete log lines, stack dumps, metrics and rollups of up to `limit` jobs finished before the cutoff.
 
     The job row (with its latest metrics and error), its timeline and its checkpoints stay; returns
     how many jobs lost history in this call.
@@ -320,6 +320,8 @@ def purge_history(session: Session, *, finished_before: datetime, limit: int = 1
     )
     if ids:
         session.execute(delete(LogLine).where(LogLine.job_id.in_(ids)))
+        # A stack dump is a log of its own (its lines are in the log too: a job with one has lines).
+        session.execute(delete(RankStacks).where(RankStacks.job_id.in_(ids)))
         rollups_repository.delete_for_jobs(session, job_ids=ids)
         session.execute(delete(Metric).where(Metric.job_id.in_(ids)))
     return len(ids)

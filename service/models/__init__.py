@@ -11,6 +11,7 @@ from service.models.jobs import (
     Metric,
     MetricRollup,
 )
+from service.models.stacks import RankStacks, StackRequest
 from service.models.users import ApiToken, User
 from service.models.workers import JobNode, Worker
 
@@ -27,6 +28,8 @@ __all__ = [
     "LogLine",
     "Metric",
     "MetricRollup",
+    "RankStacks",
+    "StackRequest",
     "User",
     "Worker",
 ]

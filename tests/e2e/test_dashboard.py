@@ -148,6 +148,10 @@ def test_watch_cancel_and_inspect_jobs_in_the_browser(stack: Stack, browser: Bro
     expect(page.locator(".head h1")).to_have_text("ui-long")
     _wait_for_line(page, '[data-chart="loss"]', "running job")
     expect(page.locator("#eval-note")).to_contain_text("no evaluation")
+    # Its stacks button asks the worker where every rank is (py-spy, from outside the sandbox).
+    page.click("#stacks-button")
+    expect(page.locator("#stacks")).to_contain_text("  thread ", timeout=30_000)
+    expect(page.locator("#stacks")).to_contain_text("request at")
     page.screenshot(path=str(REPORTS / "dashboard-running.png"), full_page=True)
     page.click("#cancel")
     _expect_status(stack, page, long_id, "cancelled", 30_000)

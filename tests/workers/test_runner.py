@@ -195,6 +195,11 @@ def test_an_engine_job_that_makes_no_progress_ends_after_its_stall_timeout(
     assert not thread.is_alive() and out == [JobStatus.FAILED], out
     error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error.type == "Stalled" and "no progress for 10 s" in error.message, error
+    # Where each rank hung, read from outside the sandbox (workers/stacks.py): a forked engine rank
+    # is named by its process name, and the hang is dptrain's own fault injection.
+    assert "; rank 0 in " in error.message and "; rank 1 in Fault.maybe_fire (faults.py:" in error.message, (
+        error
+    )
     assert rank_processes(job_id) == [], "every rank is killed"
 
 

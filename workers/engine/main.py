@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from rank_contract.env import INIT_CHECKPOINT_ENV, SUPERVISOR_ENV
+from rank_contract.stacks import await_dump, collective_timed_out, name_this_rank
 from workers.engine.events import EventWriter, events_path
 from workers.engine.launch import watch_supervisor
 from workers.engine.loader_faults import loader_failure
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
     from workers.engine.trainer import Trainer
 
     env = distributed.DistEnv.from_environ()
+    name_this_rank(env.rank)  # how the worker tells this forked rank's stack from the others'
     if threads := os.environ.get("OMP_NUM_THREADS"):
         # A rank forked from the warm agent inherits the OpenMP pool size read when the agent loaded
         # torch, before torchrun set OMP_NUM_THREADS=1 for ranks sharing a host; a fresh interpreter
@@ -199,9 +201,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if (typed := loader_failure(exc, rank=rank)) is not None:
             typed.__cause__ = exc
             exc = typed.with_traceback(exc.__traceback__)
-        events.error(exc)
+        event = events.error(exc)
         if not launched:
             raise exc
+        if collective_timed_out(event.message):
+            # Still alive, this rank keeps torchrun from tearing down the others until the worker
+            # has read where they hang (rank_contract/stacks.py).
+            await_dump(args.run_dir)
         exit_failed_rank(exc, events)
     finally:
         events.close()

@@ -1,4 +1,4 @@
-// One job: header, cancel and continue, live loss, evaluation, throughput and data-wait charts (uPlot), latest
+// One job: header, cancel, continue and its ranks' stacks, live loss, evaluation, throughput and data-wait charts (uPlot), latest
 // metrics, state timeline, checkpoints (the best one badged), artifacts, per-rank log tail and the spec. Live over the SSE stream;
 // polling if that fails.
 "use strict";
@@ -37,8 +37,11 @@
     const rankSelect = el("select", { id: "log-rank", "aria-label": "rank" }, el("option", { value: "", text: "all ranks" }));
     const logs = el("pre", { class: "logs", id: "logs" });
     const spec = el("pre", { class: "spec", id: "spec" });
+    // Where every thread of every rank is, read on request by the job's workers (py-spy).
+    const stacks = el("pre", { class: "logs", id: "stacks" });
+    const stacksCard = el("section", { class: "card", hidden: true }, el("h2", { text: "Stacks" }), stacks);
     const problem = el("p", { class: "error", role: "alert" });
-    view.append(header, problem, error,
+    view.append(header, problem, error, stacksCard,
       // The evaluation chart beside the loss chart.
       el("div", { class: "grid" }, chartCards[0].card, evalCard, chartCards.slice(1).map((c) => c.card)),
       el("div", { class: "grid" },
@@ -66,10 +69,12 @@
       // An ended job goes on from its newest checkpoint: its spec again, init_from it with resume.
       const cont = el("button", { id: "continue", text: "Continue", hidden: !TERMINAL.has(job.status), onclick: onContinue,
         title: "Submit this spec again, continuing from this job's newest checkpoint (optimizer and step included)" });
+      const stacksButton = el("button", { id: "stacks-button", text: "Stacks", title: "Where every rank is now",
+        hidden: job.status !== "running", onclick: onStacks });
       const init = job.init_checkpoint;
       header.replaceChildren(
         el("div", { class: "head" }, el("h1", { text: job.name }), badge(job.status), progressBar(job.progress),
-          el("span", { class: "spacer" }), cancel, cont),
+          el("span", { class: "spacer" }), stacksButton, cancel, cont),
         el("dl", { class: "kv", style: "margin-top:10px" },
           el("dt", { text: "id" }), el("dd", { class: "mono", text: job.id }),
           el("dt", { text: "owner" }), el("dd", { text: job.owner }),
@@ -117,6 +122,35 @@
         const r = await api("/v1/jobs", { method: "POST", body: { ...job.spec, init_from: { job: job.id, resume: true } } });
         location.hash = `#/jobs/${r.data.id}`;
       } catch (e) { problem.textContent = e.message; ev.target.disabled = false; }
+    }
+
+    async function onStacks(ev) {
+      ev.target.disabled = true;
+      stacksCard.hidden = false;
+      stacks.textContent = "Asking the job's workers…";
+      try {
+        const r = await api(`/v1/jobs/${jobId}/stacks?wait=10`);
+        stacks.textContent = stacksText(r.data);
+      } catch (e) { stacks.textContent = e.message; }
+      ev.target.disabled = false;
+    }
+
+    // As `dptrain stacks` prints it: each rank's frame, then each thread's frames, innermost first.
+    function stacksText(found) {
+      const lines = found.fresh ? [] : ["No fresh dump came in time: these are the latest ones."];
+      if (!found.dumps.length) lines.push("No stacks have been read for this job yet.");
+      for (const dump of found.dumps) {
+        lines.push(`node ${dump.node}, attempt ${dump.attempt}, ${dump.reason} at ${dump.taken_at}`);
+        if (dump.note) lines.push(`  note: ${dump.note}`);
+        for (const p of dump.processes) {
+          lines.push(`rank ${p.rank ?? "?"} pid ${p.pid}: ${p.where || p.error || "no frame"}`);
+          for (const t of p.threads) {
+            lines.push(`  thread ${t.thread_id} ${t.name || ""} (${t.active ? "active" : "idle"})`);
+            for (const f of t.frames) lines.push(`    ${f.name} (${f.file}:${f.line})`);
+          }
+        }
+      }
+      return lines.join("\n");
     }
 
     function setJob(next) {
