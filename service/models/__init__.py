@@ -12,6 +12,7 @@ from service.models.jobs import (
     MetricRollup,
 )
 from service.models.users import ApiToken, User
+from service.models.webhooks import Webhook, WebhookDelivery
 from service.models.workers import JobNode, Worker
 
 __all__ = [
@@ -28,5 +29,7 @@ __all__ = [
     "Metric",
     "MetricRollup",
     "User",
+    "Webhook",
+    "WebhookDelivery",
     "Worker",
 ]
