@@ -11,6 +11,7 @@ from api_schemas.base import Strict
 from api_schemas.jobs import JobStatus
 from api_schemas.users import UserName
 
+StateName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 WebhookUrl = Annotated[str, StringConstraints(min_length=1, max_length=2048)]
 
 
@@ -21,7 +22,8 @@ class WebhookCreate(Strict):
         description="An http(s) URL; not the service itself nor a link-local or metadata address "
         "(unless DPTRAIN_WEBHOOK_ALLOW_NETWORKS allows it)."
     )
-    events: Literal["all"] | Annotated[list[JobStatus], Field(min_length=1, max_length=5)] = Field(
+    # Strict models take an enum only as itself; the states' names are what a client sends.
+    events: Literal["all"] | Annotated[list[StateName], Field(min_length=1, max_length=5)] = Field(
         "all", description="The job states whose entry is sent (`to` of a change), or `all`."
     )
     owner: UserName | None = Field(
@@ -34,7 +36,7 @@ class WebhookInfo(BaseModel):
 
     id: str
     url: str
-    events: Literal["all"] | list[JobStatus]
+    events: Literal["all"] | list[StateName]
     owner: str | None = Field(description="The user whose jobs it receives; null: every job.")
     created_at: datetime
 

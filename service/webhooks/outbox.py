@@ -52,7 +52,7 @@ def record(session: Session, changes: Sequence[Change]) -> None:
     ).all()
     if not hooks:
         return
-    names = dict(session.execute(select(User.id, User.name).where(User.id.in_(owners))).tuples().all())
+    names = {uid: name for uid, name in session.execute(select(User.id, User.name).where(User.id.in_(owners)))}
     rows: list[dict[str, Any]] = []
     for change in changes:
         for hook_id, events, owner_id in hooks:

@@ -26,7 +26,7 @@ def listed(session: Session) -> Sequence[tuple[Webhook, str | None]]:
         .outerjoin(User, User.id == Webhook.owner_id)
         .order_by(Webhook.created_at, Webhook.id)
     )
-    return session.execute(stmt).tuples().all()
+    return [(hook, name) for hook, name in session.execute(stmt)]
 
 
 def by_id(session: Session, *, webhook_id: str) -> Webhook | None:

@@ -40,7 +40,7 @@ def create(session: Session, *, actor: User, body: WebhookCreate, settings: Sett
         owner = users.by_name(session, name=body.owner)
         if owner is None:
             raise invalid_field(("body", "owner"), f"no user named {body.owner!r}", body.owner)
-    events = None if body.events == "all" else sorted({e.value for e in body.events})
+    events = None if body.events == "all" else sorted(set(body.events))
     hook = Webhook(
         id=uuid.uuid4().hex,
         url=body.url,
