@@ -29,7 +29,8 @@ def create_app(settings: Settings) -> Celery:
     sessions = session_factory(settings)
     publisher = publisher_for(settings)
 
-    @app.task(name=DELIVER_TASK, bind=True)
+    # Not shared: the node worker's app must not consume deliveries (their own queue and worker).
+    @app.task(name=DELIVER_TASK, bind=True, shared=False)
     def deliver_webhook(self: Task, delivery_id: str) -> None:  # type: ignore[type-arg]
         """One attempt at a delivery; a failed one is published again after its backoff."""
         delay = deliver(sessions=sessions, settings=settings, delivery_id=delivery_id)
