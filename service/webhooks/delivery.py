@@ -90,7 +90,8 @@ def send(claimed: repository.Claimed, *, settings: Settings) -> tuple[int | None
     extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
     try:
         # No redirects: a 3xx could lead anywhere, the metadata service included; it counts as a failure.
-        with httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False, trust_env=False) as client:
+        timeout = settings.webhook_timeout_seconds
+        with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
             answer = client.post(target, content=body, headers=headers, extensions=extensions)
     except httpx.HTTPError as exc:
         return None, f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]

@@ -40,7 +40,7 @@ class Change:
 
 
 def record(session: Session, changes: Sequence[Change]) -> None:
-    """Write a pending delivery for each change and each webhook that wants it, in the caller's transaction."""
+    """A pending delivery for each change and each webhook that wants it, in the caller's transaction."""
     if not changes:
         return
     owners = {c.owner_id for c in changes}
@@ -52,7 +52,8 @@ def record(session: Session, changes: Sequence[Change]) -> None:
     ).all()
     if not hooks:
         return
-    names = {uid: name for uid, name in session.execute(select(User.id, User.name).where(User.id.in_(owners)))}
+    users = session.execute(select(User.id, User.name).where(User.id.in_(owners)))
+    names = {user_id: name for user_id, name in users}
     rows: list[dict[str, Any]] = []
     for change in changes:
         for hook_id, events, owner_id in hooks:

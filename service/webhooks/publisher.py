@@ -1,4 +1,4 @@
-"""Publishes delivery tasks to the webhook queue from a thread of its own: a commit never waits for the broker."""
+"""Publishing delivery tasks to the webhook queue from a thread of its own: no commit waits for the broker."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Publisher:
             self.todo.put(delivery_id)
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dptrain-webhook-publisher", daemon=True)
+                name = "dptrain-webhook-publisher"
+                self._thread = threading.Thread(target=self._run, name=name, daemon=True)
                 self._thread.start()
 
     def send(self, delivery_id: str, *, countdown: float | None = None) -> None:

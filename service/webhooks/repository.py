@@ -81,7 +81,12 @@ def claim(session: Session, *, delivery_id: str, now: datetime, lease_seconds: f
             last_attempt_at=now,
             next_attempt_at=now + timedelta(seconds=lease_seconds),
         )
-        .returning(WebhookDelivery.webhook_id, WebhookDelivery.attempts, WebhookDelivery.event, WebhookDelivery.payload)
+        .returning(
+            WebhookDelivery.webhook_id,
+            WebhookDelivery.attempts,
+            WebhookDelivery.event,
+            WebhookDelivery.payload,
+        )
     )
     row = session.execute(stmt).one_or_none()
     if row is None:

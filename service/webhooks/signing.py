@@ -21,14 +21,3 @@ def signature(secret: str, *, timestamp: int, body: bytes) -> str:
     """The `Dptrain-Signature` value: `v1=` and the hex HMAC-SHA256 of `<timestamp>.<body>`."""
     mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
     return "v1=" + mac.hexdigest()
-
-
-def verify(secret: str, *, timestamp: str, body: bytes, header: str, now: float, tolerance: float = 300) -> bool:
-    """The receiver's check (docs/api.md): the signature matches and the timestamp is recent."""
-    try:
-        sent = int(timestamp)
-    except ValueError:
-        return False
-    if abs(now - sent) > tolerance:
-        return False
-    return hmac.compare_digest(signature(secret, timestamp=sent, body=body), header)

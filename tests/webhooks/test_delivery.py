@@ -1,4 +1,4 @@
-"""Deliveries against a real receiver on 127.0.0.1, through Redis and an in-process webhook worker (threads)."""
+"""Deliveries to a real receiver on 127.0.0.1, through Redis and an in-process webhook worker (threads)."""
 
 from __future__ import annotations
 
@@ -115,9 +115,10 @@ def test_the_signature_verifies_with_the_documented_recipe(client: TestClient, r
     event = json.loads(got.body)
     assert event["job_id"] == job["id"] and event["owner"] == "admin" and event["name"] == job["name"]
     assert (event["from"], event["to"], event["error"]) == (None, "queued", None)
-    assert got.headers["Dptrain-Delivery"] == event["delivery_id"] and got.headers["Dptrain-Event"] == "queued"
+    assert got.headers["Dptrain-Delivery"] == event["delivery_id"]
+    assert got.headers["Dptrain-Event"] == "queued"
     [listed] = _all_delivered(client, hook, 1)
-    assert listed["id"] == event["delivery_id"] and listed["last_status_code"] == 204 and listed["attempts"] == 1
+    assert (listed["id"], listed["last_status_code"], listed["attempts"]) == (event["delivery_id"], 204, 1)
 
 
 def test_a_receiver_down_for_a_while_gets_every_event_once_it_is_back(
