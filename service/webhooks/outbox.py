@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import event, insert, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, SessionTransaction
 
 from service.models import User, Webhook, WebhookDelivery
 
@@ -105,6 +105,9 @@ def _publish(session: Session) -> None:
         publish(ids)
 
 
-@event.listens_for(Session, "after_rollback")
-def _forget(session: Session) -> None:
-    session.info.pop(PENDING, None)
+@event.listens_for(Session, "after_transaction_end")
+def _forget(session: Session, transaction: SessionTransaction) -> None:
+    # After the commit's publish; and a rollback, or a close without a commit (which fires no
+    # after_rollback), leaves no ids of rows that do not exist for the session's next commit.
+    if transaction.parent is None:
+        session.info.pop(PENDING, None)
