@@ -12,6 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.config import Settings
+from service.models.base import utcnow
+from service.webhooks import repository
 from service.webhooks.delivery import backoff, deliver
 from tests.api_fixtures import submit
 from tests.backends import sessions_of, sqlite_app
@@ -102,3 +104,17 @@ def test_the_address_is_checked_again_at_delivery(
     # Sent to the address just checked, under the name the URL gave.
     assert got.headers["Host"] == f"hooks.example.test:{receiver.port}"
     assert json.loads(got.body)["to"] == "queued"
+
+
+def test_a_delivery_whose_sender_died_is_sent_once_its_lease_ends(
+    client: TestClient, receiver: Receiver
+) -> None:
+    hook = client.post("/v1/webhooks", json={"url": f"http://127.0.0.1:{receiver.start().port}/"}).json()
+    submit(client)
+    [pending] = client.get(f"/v1/webhooks/{hook['id']}/deliveries").json()["items"]
+    with sessions_of(client).begin() as session:
+        # A sender claimed it, then died before sending; its lease has run out.
+        claimed = repository.claim(session, delivery_id=pending["id"], now=utcnow(), lease_seconds=-1)
+    assert claimed is not None and claimed.attempts == 1
+    [sent] = _attempt(client, hook)
+    assert (sent["status"], sent["attempts"]) == ("delivered", 2) and len(receiver.received) == 1
