@@ -9,7 +9,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api_schemas import JobStatus
 from service.config import Settings
+from service.jobs import lifecycle
 from service.models import WebhookDelivery
 from tests.api_fixtures import add_user, as_user, submit
 
@@ -112,3 +114,23 @@ def test_each_state_change_writes_a_delivery_per_matching_webhook(client: TestCl
     assert all(d["status"] == "pending" and d["attempts"] == 0 for d in listed)
     assert client.delete(f"/v1/webhooks/{everything['id']}").status_code == 204
     assert client.get(f"/v1/webhooks/{everything['id']}/deliveries").status_code == 404
+
+
+def test_a_worker_s_transition_carries_the_job_s_error(client: TestClient, db: Session) -> None:
+    hook = _register(client, events=["failed"])
+    job = submit(client)
+    assert lifecycle.claim(db, job_id=job["id"], worker="w1") is not None
+    error = {"type": "ValueError", "message": "bad batch", "rank": 1}
+    done = lifecycle.transition(
+        db,
+        job_id=job["id"],
+        src=JobStatus.RUNNING,
+        dst=JobStatus.FAILED,
+        reason="rank 1 failed",
+        values={"error": error},
+    )
+    assert done is not None
+    db.commit()
+    [row] = db.scalars(select(WebhookDelivery).where(WebhookDelivery.webhook_id == hook["id"])).all()
+    assert row.payload["error"] == error and row.payload["reason"] == "rank 1 failed"
+    assert (row.payload["from"], row.payload["to"], row.payload["attempt"]) == ("running", "failed", 1)
