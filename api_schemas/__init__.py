@@ -31,6 +31,14 @@ from api_schemas.recipes import EVAL_METRICS, RECIPES
 from api_schemas.stacks import JobStacks, ProcessStack, StackDump, StackFrame, StackReason, ThreadStack
 from api_schemas.training import EVAL_METRIC_PATTERN, EvaluationSpec, KeepBest
 from api_schemas.users import IssuedToken, UserCreate, UserInfo
+from api_schemas.webhooks import (
+    WebhookCreate,
+    WebhookCreated,
+    WebhookDelivery,
+    WebhookDeliveryList,
+    WebhookInfo,
+    WebhookList,
+)
 from api_schemas.workers import Worker, WorkerList
 
 __all__ = [
@@ -72,6 +80,12 @@ __all__ = [
     "Transition",
     "UserCreate",
     "UserInfo",
+    "WebhookCreate",
+    "WebhookCreated",
+    "WebhookDelivery",
+    "WebhookDeliveryList",
+    "WebhookInfo",
+    "WebhookList",
     "Worker",
     "WorkerList",
     "entrypoint_allowed",

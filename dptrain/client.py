@@ -43,6 +43,11 @@ from api_schemas import (
     LogLine,
     LogPage,
     MetricSeries,
+    WebhookCreated,
+    WebhookDelivery,
+    WebhookDeliveryList,
+    WebhookInfo,
+    WebhookList,
 )
 from dptrain.errors import DataLeftOut, Unplaceable, WaitTimeout, api_error
 from dptrain.left_out import LeftOut, data_warning
@@ -397,3 +402,25 @@ class Client:
     def download_code(self, sha256: str, dest: Path) -> None:
         """GET the archive `sha256` into `dest`; ValueError (and no file) if its hash differs."""
         download_verified(self.http, f"/v1/code/{sha256}", dest, sha256)
+
+    # -- webhooks (admins) ----------------------------------------------------------------------
+
+    def create_webhook(
+        self, url: str, *, events: str | Sequence[str] = "all", owner: str | None = None
+    ) -> WebhookCreated:
+        """Register a webhook for job state changes; the answer holds its secret, shown this once."""
+        body = {"url": url, "events": events if isinstance(events, str) else list(events), "owner": owner}
+        return WebhookCreated.model_validate(self._json("POST", "/v1/webhooks", json=body))
+
+    def webhooks(self) -> builtins.list[WebhookInfo]:
+        """Every registered webhook (never its secret)."""
+        return WebhookList.model_validate(self._json("GET", "/v1/webhooks")).items
+
+    def delete_webhook(self, webhook_id: str) -> None:
+        """Remove a webhook; its deliveries not yet sent are dropped."""
+        self._send("DELETE", f"/v1/webhooks/{quote(webhook_id)}")
+
+    def webhook_deliveries(self, webhook_id: str, *, limit: int = 100) -> builtins.list[WebhookDelivery]:
+        """A webhook's newest deliveries, each with its last status."""
+        path = f"/v1/webhooks/{quote(webhook_id)}/deliveries"
+        return WebhookDeliveryList.model_validate(self._json("GET", path, params={"limit": limit})).items

@@ -23,7 +23,14 @@ if TYPE_CHECKING:
 from dptrain_cli.extras import missing_extra
 
 # Each server command, and the extra it needs (docs in dptrain_cli/extras.py).
-SERVER_COMMANDS = {"api": "server", "worker": "worker", "migrate": "server", "up": "all", "users": "server"}
+SERVER_COMMANDS = {
+    "api": "server",
+    "worker": "worker",
+    "webhook-worker": "server",
+    "migrate": "server",
+    "up": "all",
+    "users": "server",
+}
 SERVER_PACKAGE = "dptrain_server"
 
 

@@ -9,11 +9,8 @@ and say which extra to install when those are missing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import typer
@@ -23,55 +20,33 @@ from rich.text import Text
 
 from api_schemas import Job, JobError, JobStatus
 from dptrain.client import Client
-from dptrain.errors import ApiError, Refused, Unplaceable, WaitTimeout
+from dptrain.errors import Unplaceable, WaitTimeout
 from dptrain.left_out import Include
 from dptrain.specfile import SpecFileError, init_from_arg, load_spec
+from dptrain_cli.calls import (
+    EXIT_CANCELLED,
+    EXIT_FAILED,
+    EXIT_REFUSED,
+    EXIT_SUCCEEDED,
+    EXIT_TIMEOUT,
+    EXIT_UNPLACEABLE,
+    OUTPUT,
+)
+from dptrain_cli.calls import api as _api
+from dptrain_cli.calls import fetch as _fetch
 from dptrain_cli.follow import Progress, watch_job
 from dptrain_cli.junit import junit_report
 from dptrain_cli.lazy import WithServerCommands
 from dptrain_cli.output import Output, emit_json, inert, out, say, step_text
 from dptrain_cli.stacks import show_stacks
 from dptrain_cli.upload import ship_code
+from dptrain_cli.webhooks import app as webhooks_app
 
 app = typer.Typer(
     cls=WithServerCommands, no_args_is_help=True, help="dptrain: data-parallel training jobs over HTTP."
 )
 
-EXIT_SUCCEEDED, EXIT_FAILED, EXIT_TIMEOUT, EXIT_REFUSED, EXIT_CANCELLED, EXIT_UNPLACEABLE = 0, 1, 2, 3, 4, 5
-
-T = TypeVar("T")
-OUTPUT = typer.Option(Output.text, "--output", help="text for people, json for scripts.")
-
-
-def _refused(exc: ApiError) -> typer.Exit:
-    if isinstance(exc, Refused) and exc.errors:
-        for e in exc.errors:
-            say(f"{e.path}: {e.msg}", stderr=True)
-    else:
-        say(f"refused ({exc.status_code}): {exc.detail}", stderr=True)
-    return typer.Exit(EXIT_REFUSED)
-
-
-@contextmanager
-def _api() -> Iterator[Client]:
-    """The client, with the API's refusals turned into exit code 3 and their reasons on stderr."""
-    client = Client.from_env()
-    try:
-        yield client
-    except ApiError as exc:
-        raise _refused(exc) from exc
-    finally:
-        client.close()
-
-
-def _fetch(output: Output, call: Callable[[Client], T]) -> T | None:
-    """What `call` reads through the API; with --output json it is printed here and None returned."""
-    with _api() as client:
-        result = call(client)
-    if output is Output.json:
-        emit_json(result)
-        return None
-    return result
+app.add_typer(webhooks_app, name="webhooks")
 
 
 def _exit_for(job: Job) -> int:

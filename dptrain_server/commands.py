@@ -1,4 +1,4 @@
-"""Server-side commands: api, worker, migrate, the embedded `up`, and the `users` group.
+"""Server-side commands: api, worker, webhook-worker, migrate, the embedded `up`, and the `users` group.
 
 Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch) itself: `dptrain
 --help` lists these commands from this module, and on a client-only install it must still work, and
@@ -134,6 +134,20 @@ def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
     ]
 
 
+def webhook_worker(
+    concurrency: int = typer.Option(8, help="Deliveries sent at once (threads)."),
+) -> None:
+    """Run the webhook worker: signed POSTs of job state changes, retried with backoff (docs/api.md)."""
+    with require("server"):
+        from service.config import get_settings
+        from workers.webhooks import create_app, sweep_thread, worker_argv
+
+    settings = get_settings()
+    # Its own process and queue: a slow or dead receiver never takes a thread a node's start needs.
+    sweep_thread(settings).start()
+    create_app(settings).worker_main(worker_argv(settings, concurrency=concurrency))
+
+
 def up(
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -175,6 +189,7 @@ def up(
     worker_args = ["worker", "--device", "cpu", "--slots", str(slots), "--embedded"]
     # A worker that dies is started again (its runs are requeued); the API serves on meanwhile.
     supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS, restart=True)
+    supervisor.start("webhooks", ["webhook-worker"], env=env, stop_seconds=WORKER_STOP_SECONDS, restart=True)
     api_args = ["api", "--host", host, "--port", str(port)]
     supervisor.start("API", api_args, env=env, stop_seconds=API_STOP_SECONDS)
     _banner(host=host, port=port, home=home, token_file=token_file, slots=slots, settings=settings)
@@ -212,4 +227,5 @@ app.command()(api)
 app.command()(worker)
 app.command()(migrate)
 app.command()(up)
+app.command("webhook-worker")(webhook_worker)
 app.add_typer(users.app, name="users")

@@ -32,6 +32,7 @@ from service.ops.metrics import DatabaseCollector, RequestLatency, request_histo
 from service.ops.router import router as ops_router
 from service.scheduling.scheduler import Kicker, Scheduler
 from service.users.router import router as users_router
+from service.webhooks.router import router as webhooks_router
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def create_app(
     app.include_router(nodes_router)
     app.include_router(ops_router)
     app.include_router(code_router)
+    app.include_router(webhooks_router)
     install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])

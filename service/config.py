@@ -92,6 +92,22 @@ class Settings(BaseSettings):
     # never sandboxes (the same warning). Either way each unsandboxed job's timeline says so.
     sandbox: Literal["auto", "required", "off"] = "auto"
 
+    # Webhooks (docs/api.md#webhooks): each delivery is a POST of at most this long; a failed one is
+    # tried again after `webhook_backoff_seconds`, doubling up to `webhook_backoff_max_seconds`, until
+    # `webhook_max_attempts` attempts (then `failed`). The webhook worker (`dptrain webhooks`) also
+    # sends, every `webhook_sweep_seconds`, the pending deliveries that are due (their publish lost).
+    webhook_timeout_seconds: float = Field(10.0, gt=0, le=300)
+    webhook_backoff_seconds: float = Field(2.0, gt=0)
+    webhook_backoff_max_seconds: float = Field(600.0, gt=0)
+    webhook_max_attempts: int = Field(15, ge=1)
+    webhook_sweep_seconds: float = Field(30.0, gt=0)
+    # Networks (CIDRs, comma-separated) a webhook URL may reach although they are refused by default:
+    # loopback (the service itself and its database and broker), link-local and cloud metadata
+    # (169.254.0.0/16, fe80::/10, fd00:ec2::254), unspecified (0.0.0.0, ::). For example
+    # `127.0.0.1/32` for a receiver on this host. Checked at registration and at each delivery,
+    # after DNS resolution (docs/security.md).
+    webhook_allow_networks: str = ""
+
     # API
     # `limit` above these answers 422 (jobs pages; log pages).
     max_page_size: int = Field(200, ge=1)
@@ -182,6 +198,11 @@ class Settings(BaseSettings):
     def node(self) -> str:
         """This worker's node name: DPTRAIN_NODE_NAME, else the host name."""
         return self.node_name or socket.gethostname()
+
+    @property
+    def webhook_queue(self) -> str:
+        """The queue of webhook deliveries: its own, so a slow receiver never holds a node's start."""
+        return f"{self.queue}.webhooks"
 
     @property
     def entrypoint_prefixes(self) -> list[str]:

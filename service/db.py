@@ -16,6 +16,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings, get_settings
 from service.files import create_private_sqlite
+from service.webhooks.outbox import PUBLISHER
+from service.webhooks.publisher import publisher_for
 
 # A pooled connection handed back less than this long ago is used without a ping first.
 PING_IF_IDLE_SECONDS = 1.0
@@ -105,8 +107,10 @@ def get_engine(settings: Settings | None = None) -> Engine:
 
 
 def session_factory(settings: Settings | None = None) -> sessionmaker[Session]:
-    """A session factory bound to the configured database."""
-    return sessionmaker(bind=get_engine(settings), expire_on_commit=False)
+    """A session factory bound to the configured database; its commits publish their webhook deliveries."""
+    settings = settings or get_settings()
+    info = {PUBLISHER: publisher_for(settings)}
+    return sessionmaker(bind=get_engine(settings), expire_on_commit=False, info=info)
 
 
 _READERS: weakref.WeakKeyDictionary[sessionmaker[Session], sessionmaker[Session]] = (

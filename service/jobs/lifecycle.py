@@ -13,6 +13,7 @@ from api_schemas import JobStatus
 from service.models import Checkpoint, Job, JobTransition
 from service.models.base import utcnow
 from service.scheduling import repository as placement
+from service.webhooks import outbox
 
 # Which states a job may move to from each state. A running job returns to `queued` only to be
 # restarted (a later issue); terminal states go nowhere.
@@ -73,6 +74,18 @@ def transition(
             reason=reason,
         )
     )
+    change = outbox.Change(
+        job_id=job_id,
+        owner_id=job.owner_id,
+        name=job.name,
+        src=src.value,
+        dst=dst.value,
+        reason=reason,
+        at=now,
+        attempt=job.attempt,
+        error=job.error,
+    )
+    outbox.record(session, [change])
     return job
 
 
@@ -110,6 +123,17 @@ def record_created(session: Session, *, job: Job) -> None:
         insert(JobTransition),
         {"job_id": job.id, "at": job.created_at, "from_status": None, "to_status": job.status, "attempt": 0},
     )
+    change = outbox.Change(
+        job_id=job.id,
+        owner_id=job.owner_id,
+        name=job.name,
+        src=None,
+        dst=job.status,
+        reason=None,
+        at=job.created_at,
+        attempt=0,
+    )
+    outbox.record(session, [change])
 
 
 def claim(session: Session, *, job_id: str, worker: str, reason: str | None = None) -> Job | None:
@@ -147,12 +171,13 @@ def claim_many(session: Session, *, workers: Mapping[str, str], reasons: Mapping
             queued_reason=None,
             unplaceable=False,
         )
-        .returning(Job.id, Job.attempt)
+        .returning(Job.id, Job.attempt, Job.owner_id, Job.name)
         # Columns returned, not entities, and no Job of these rows is held by a placement round's
         # session: nothing in its identity map to bring up to date.
         .execution_options(synchronize_session=False)
     )
-    claimed = {job_id: attempt for job_id, attempt in session.execute(stmt)}
+    rows = session.execute(stmt).all()
+    claimed = {job_id: attempt for job_id, attempt, _owner, _name in rows}
     if claimed:
         session.execute(
             insert(JobTransition),
@@ -168,6 +193,20 @@ def claim_many(session: Session, *, workers: Mapping[str, str], reasons: Mapping
                 for job_id, attempt in claimed.items()
             ],
         )
+        changes = [
+            outbox.Change(
+                job_id=job_id,
+                owner_id=owner_id,
+                name=name,
+                src=JobStatus.QUEUED.value,
+                dst=JobStatus.RUNNING.value,
+                reason=reasons.get(job_id),
+                at=now,
+                attempt=attempt,
+            )
+            for job_id, attempt, owner_id, name in rows
+        ]
+        outbox.record(session, changes)
     return claimed
 
 

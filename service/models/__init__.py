@@ -13,6 +13,7 @@ from service.models.jobs import (
 )
 from service.models.stacks import RankStacks, StackRequest
 from service.models.users import ApiToken, User
+from service.models.webhooks import Webhook, WebhookDelivery
 from service.models.workers import JobNode, Worker
 
 __all__ = [
@@ -31,5 +32,7 @@ __all__ = [
     "RankStacks",
     "StackRequest",
     "User",
+    "Webhook",
+    "WebhookDelivery",
     "Worker",
 ]
