@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import builtins
 import os
-import tempfile
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -49,12 +47,12 @@ from api_schemas import (
     WebhookInfo,
     WebhookList,
 )
+from dptrain.code_routes import CodeRoutes, CodeTooLarge, CodeUpload
 from dptrain.errors import DataLeftOut, Unplaceable, WaitTimeout, api_error
-from dptrain.left_out import LeftOut, data_warning
+from dptrain.left_out import data_warning
 from dptrain.settings import ClientSettings
 from dptrain.specfile import load_spec
-from dptrain.transfer import chunks, download_verified, raise_for_status, retry_after_seconds
-from dptrain.workdir import Packed, pack
+from dptrain.transfer import download_verified, raise_for_status, retry_after_seconds
 
 __all__ = ["Client", "CodeTooLarge", "CodeUpload"]
 
@@ -65,30 +63,7 @@ RETRY_STATUS = (429, 503)
 MAX_BACKOFF_S = 10.0
 
 
-class CodeTooLarge(ValueError):
-    """A working directory packs to more than `limit` bytes: the caller's, or (`by_server`) the server's."""
-
-    def __init__(self, packed: Packed, *, limit: int, by_server: bool) -> None:
-        name = "the server's DPTRAIN_CODE_MAX_BYTES" if by_server else "max_bytes"
-        super().__init__(f"the archive is {packed.size_bytes} bytes, over {name} {limit}")
-        self.packed = packed
-        self.limit = limit
-        self.by_server = by_server
-
-
-@dataclass(frozen=True)
-class CodeUpload:
-    """A working directory as shipped: its sha256 and size, whether it was sent now, what it left out."""
-
-    sha256: str
-    size_bytes: int
-    files: int
-    skipped: list[tuple[str, str]]
-    uploaded: bool
-    left_out: LeftOut = field(default_factory=LeftOut)
-
-
-class Client:
+class Client(CodeRoutes):
     """A connection to one dptrain API as one user."""
 
     def __init__(
@@ -353,55 +328,6 @@ class Client:
             self.http, f"/v1/jobs/{job_id}/artifacts/{quote(path)}", Path(dest), found[0].sha256
         )
         return found[0]
-
-    # -- code -----------------------------------------------------------------------------------
-
-    def code_status(self, sha256: str) -> tuple[bool, int | None]:
-        """Whether the server holds the code archive `sha256`, and its size limit if it says."""
-        r = self.http.head(f"/v1/code/{sha256}")
-        limit = r.headers.get("X-Code-Max-Bytes", "")
-        max_bytes = int(limit) if limit.isdigit() else None
-        if r.status_code == 404:
-            return False, max_bytes
-        raise_for_status(r)
-        return True, max_bytes
-
-    def code_exists(self, sha256: str) -> bool:
-        """Whether the server already holds that archive."""
-        return self.code_status(sha256)[0]
-
-    def upload_archive(self, sha256: str, path: Path) -> bool:
-        """PUT the archive at `path` as `sha256`, streamed; True if stored now, False if already there."""
-        with path.open("rb") as f:
-            # A stated length lets the server refuse an archive over its limit before reading it.
-            headers = {"Content-Type": "application/gzip", "Content-Length": str(path.stat().st_size)}
-            r = self.http.put(f"/v1/code/{sha256}", content=chunks(f), headers=headers)
-        return raise_for_status(r).status_code == 201
-
-    def upload_code(
-        self, workdir: str | os.PathLike[str], *, max_bytes: int | None = None, include: Sequence[str] = ()
-    ) -> CodeUpload:
-        """Pack `workdir` (minus .gitignore/.dptrainignore) and upload it unless the server has it.
-
-        `include`: .gitignore-style patterns, relative to `workdir`, taking files the ignore files
-        leave out (ValueError for a bad one); the result's `left_out` says what stayed out. Raises
-        CodeTooLarge, before sending anything, if the archive is over `max_bytes` or the server's limit.
-        """
-        with tempfile.TemporaryDirectory(prefix="dptrain-code-") as tmp:
-            packed = pack(Path(workdir), Path(tmp) / "code.tar.gz", include=include)
-            if max_bytes is not None and packed.size_bytes > max_bytes:
-                raise CodeTooLarge(packed, limit=max_bytes, by_server=False)
-            held, server_max = self.code_status(packed.sha256)
-            if not held and server_max is not None and packed.size_bytes > server_max:
-                raise CodeTooLarge(packed, limit=server_max, by_server=True)
-            uploaded = not held and self.upload_archive(packed.sha256, packed.path)
-        return CodeUpload(
-            packed.sha256, packed.size_bytes, packed.files, packed.skipped, uploaded, packed.left_out
-        )
-
-    def download_code(self, sha256: str, dest: Path) -> None:
-        """GET the archive `sha256` into `dest`; ValueError (and no file) if its hash differs."""
-        download_verified(self.http, f"/v1/code/{sha256}", dest, sha256)
 
     # -- webhooks (admins) ----------------------------------------------------------------------
 

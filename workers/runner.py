@@ -14,26 +14,22 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import JobError, JobSpec, JobStatus
+from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.db import session_factory
 from service.files import PRIVATE_UMASK
-from service.jobs import repository as jobs_repository
-from service.jobs.stored import describe
-from service.models.base import utcnow
 from service.scheduling import repository as placement
 from workers import init_checkpoint, sandbox
+from workers.acceptance import Unrunnable, accept
 from workers.attempts import end_abnormally, note_unsandboxed, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
-from workers.engine.launch import Rendezvous, torchrun_command
-from workers.node_run import Attempt, NodeRun, RunPaths
+from workers.engine.launch import torchrun_command
+from workers.node_run import NodeRun, RunPaths
 from workers.outputs import Guard, Limits
 from workers.outputs import record as record_outputs
 from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
@@ -91,74 +87,11 @@ def run_node(
             callback()
 
 
-@dataclass(frozen=True)
-class _Unrunnable:
-    """An accepted attempt whose stored spec today's JobSpec refuses: it ends with `error`, unrun."""
-
-    att: Attempt
-    error: JobError
-
-
-def _accept(
-    sessions: sessionmaker[Session],
-    *,
-    job_id: str,
-    attempt: int,
-    node_rank: int,
-    settings: Settings,
-    endpoint: str,
-) -> NodeRun | _Unrunnable | None:
-    with sessions.begin() as session:
-        me = settings.node
-        if not placement.accept(
-            session, job_id=job_id, attempt=attempt, node_rank=node_rank, worker=me, now=utcnow()
-        ):
-            return None
-        job = jobs_repository.get(session, job_id=job_id)
-        if job is None or job.status != JobStatus.RUNNING.value or job.attempt != attempt:
-            return None
-        nodes = placement.nodes_of(session, job_id=job_id)
-        att = Attempt(
-            job_id=job_id,
-            number=attempt,
-            token=str(job.claim_token),
-            max_restarts=job.max_restarts,
-        )
-        try:
-            # Validated once, here: everything downstream reads the typed model and its defaults.
-            spec = JobSpec.model_validate(job.spec)
-        except ValidationError as exc:
-            message = f"the stored spec does not validate: {describe(exc)}"
-            return _Unrunnable(att=att, error=JobError(type="ValidationError", message=message))
-        nnodes = spec.resources.nodes
-        rendezvous = None
-        if nnodes > 1:
-            host = next(n for n in nodes if n.node_rank == 0)
-            rendezvous = Rendezvous(
-                endpoint=endpoint or f"{host.address}:{host.port}",
-                run_id=f"{job_id}-{attempt}",
-                is_host=node_rank == 0,
-                timeout_seconds=settings.rendezvous_timeout_seconds,
-            )
-        mine = next(n for n in nodes if n.node_rank == node_rank)
-        return NodeRun(
-            att=att,
-            node_rank=node_rank,
-            nnodes=nnodes,
-            spec=spec,
-            rendezvous=rendezvous,
-            address=mine.address,
-            init=init_checkpoint.of_row(
-                job_id=job.init_job, step=job.init_step, path=job.init_path, sha256=job.init_sha256
-            ),
-        )
-
-
 def _run_node(
     *, job_id: str, attempt: int, node_rank: int, settings: Settings, endpoint: str
 ) -> JobStatus | None:
     sessions = session_factory(settings)
-    run = _accept(
+    run = accept(
         sessions, job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings, endpoint=endpoint
     )
     if run is None:
@@ -168,7 +101,7 @@ def _run_node(
         return None
     paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
     try:
-        if isinstance(run, _Unrunnable):
+        if isinstance(run, Unrunnable):
             log.error("job %s: %s", job_id, run.error.message)
             return end_abnormally(sessions, att=run.att, error=run.error)
         return _supervise(sessions=sessions, settings=settings, run=run, paths=paths)
