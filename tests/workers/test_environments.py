@@ -1,4 +1,4 @@
-"""A job's environment, for real: pip installs from a local index into a cached venv the ranks run in (issue 33).
+"""A job's environment, for real: pip installs from a local index into a cached venv the ranks use (#33).
 
 The index (tests/env_index.py) is pypiserver on 127.0.0.1 serving dpt-alpha 1.0 and 2.0 and
 dpt-beta (which needs dpt-alpha); the runner runs attempts in this process as a worker node would,
