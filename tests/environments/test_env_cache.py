@@ -1,4 +1,4 @@
-"""The environment cache: one build per key however many ask at once, hits, LRU eviction sparing what is in use."""
+"""The environment cache: one build per key, hits, LRU eviction that spares environments in use."""
 
 from __future__ import annotations
 
