@@ -17,7 +17,8 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.jobs import lifecycle
+from service.jobs import lifecycle, repository
+from service.models.base import utcnow
 from workers.env_build import Builder
 from workers.environments import Environment, environment_key, held, requirement_lines
 from workers.node_run import NodeRun, RunPaths
@@ -62,6 +63,7 @@ def enter(
     lines = requirement_lines(run.spec, code_dir=setup.code_dir, settings=settings)
     if lines is None:
         return setup
+    _record(sessions, run=run, state={"state": "preparing", "started_at": utcnow().isoformat()})
     box = setup.box
     run_as = setup.run_as
     builder = Builder(
@@ -86,6 +88,8 @@ def enter(
         )
     )
     _note(sessions, run=run, env=env)
+    ready = {"state": "ready", "key": env.key, "cache_hit": env.hit, "build_seconds": round(env.seconds, 3)}
+    _record(sessions, run=run, state=ready)
     return with_environment(setup, env)
 
 
@@ -101,6 +105,19 @@ def describe(env: Environment) -> str:
     """The timeline's words for how the attempt had its environment."""
     how = "cache hit" if env.hit else "built"
     return f"environment {env.key[:16]}: {how} in {env.seconds:.2f} s"
+
+
+def _record(sessions: sessionmaker[Session], *, run: NodeRun, state: dict[str, object]) -> None:
+    """Node 0 records how the attempt has its environment on the job (fenced by the claim token)."""
+    if not run.is_primary:
+        return
+    try:
+        with sessions.begin() as session:
+            repository.fenced_update(
+                session, job_id=run.att.job_id, claim_token=run.att.token, values={"environment_state": state}
+            )
+    except Exception:  # noqa: BLE001 - shown to users; the run does not depend on it
+        log.warning("job %s: recording its environment's state failed", run.att.job_id, exc_info=True)
 
 
 def _note(sessions: sessionmaker[Session], *, run: NodeRun, env: Environment) -> None:

@@ -65,6 +65,8 @@ def test_a_job_imports_its_requirements_and_the_next_one_hits_the_cache(
     setup = [line.line for line in lines if line.rank is None and line.line.startswith("[setup]")]
     assert any("dpt-beta" in line or "dpt_beta" in line for line in setup), "pip's output is in the log"
     assert "built in" in _notes(sessions, first), timeline(sessions, first)
+    state = job_row(sessions, first).environment_state
+    assert state is not None and state["state"] == "ready" and state["cache_hit"] is False, state
     built = package_index.requests(BETA) - before
     assert built >= 1, "the build asked the index"
     assert len(environments.cached(node.env_cache)) == 1, "two ranks, one environment built once"
@@ -72,6 +74,8 @@ def test_a_job_imports_its_requirements_and_the_next_one_hits_the_cache(
     second = _submit(sessions, [BETA.upper()], code)  # the same requirement, spelt differently
     assert run_attempt(job_id=second, settings=node) is JobStatus.SUCCEEDED
     assert "cache hit" in _notes(sessions, second), timeline(sessions, second)
+    again = job_row(sessions, second).environment_state
+    assert again is not None and again["cache_hit"] is True and again["key"] == state["key"], again
     assert package_index.requests(BETA) - before == built, "a hit asks the index nothing"
 
 
