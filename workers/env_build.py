@@ -83,7 +83,9 @@ class Builder:
         if (found := shadowing(root)) is not None:
             message = f"the requirements installed {found}, which always comes from the worker's environment"
             raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
-        # Read-only to the ranks, whoever they run as; the worker alone removes it.
+        # Read-only to the ranks, whoever they run as (the worker's umask is 077); the worker alone
+        # removes it.
+        os.chmod(root, 0o755)
         for dirpath, dirs, files in os.walk(root):
             for name in (*dirs, *files):
                 path = os.path.join(dirpath, name)

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from api_schemas import JobError, JobSpec
@@ -193,6 +194,15 @@ def cached(cache: Path) -> list[dict[str, object]]:
             with contextlib.suppress(OSError):
                 found.append({**record, "used_at": (root / MANIFEST).stat().st_mtime})
     return found
+
+
+def listed_environments(cache: Path) -> list[dict[str, object]]:
+    """`cached(cache)` as GET /v1/workers shows it (used_at as ISO-8601), most recently used first."""
+    found = sorted(cached(cache), key=lambda e: float(e["used_at"]), reverse=True)  # type: ignore[arg-type]
+    return [
+        {**e, "used_at": datetime.fromtimestamp(float(e["used_at"]), UTC).isoformat()}  # type: ignore[arg-type]
+        for e in found
+    ]
 
 
 def evict(cache: Path, *, max_bytes: int, keep: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""job environment: how the current attempt had its Python environment (issue 33)
+"""job environments: how the current attempt had its Python environment, and each node's cached ones
 
 Revision ID: 0018
 Revises: 0017
@@ -22,8 +22,12 @@ JSON = sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgres
 def upgrade() -> None:
     with op.batch_alter_table("jobs", schema=None) as batch_op:
         batch_op.add_column(sa.Column("environment_state", JSON, nullable=True))
+    with op.batch_alter_table("workers", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("environments", JSON, nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("workers", schema=None) as batch_op:
+        batch_op.drop_column("environments")
     with op.batch_alter_table("jobs", schema=None) as batch_op:
         batch_op.drop_column("environment_state")
