@@ -82,7 +82,7 @@ def check_environment(*, user: User, spec: JobSpec, settings: Settings) -> None:
     if found:
         first = found[0]
         loc = ("body", "environment", "requirements", first.index)
-        raise invalid_field(loc, f"{first.line!r}: {first.reason}", first.line)
+        raise invalid_field(loc, f"requirement {first.line!r}: {first.reason}", first.line)
 
 
 def _check_allowed(entrypoint: str, settings: Settings) -> None:
