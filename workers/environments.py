@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -78,7 +79,7 @@ def requirement_lines(spec: JobSpec, *, code_dir: Path | None, settings: Setting
     else:
         assert env.requirements_file is not None
         path = (code_dir / env.requirements_file) if code_dir is not None else None
-        if path is None or not path.is_file() or code_dir not in path.resolve().parents:
+        if path is None or not path.is_file() or code_dir.resolve() not in path.resolve().parents:
             message = (
                 f"environment.requirements_file {env.requirements_file!r} is not a file in the job's code"
             )
@@ -92,6 +93,7 @@ def requirement_lines(spec: JobSpec, *, code_dir: Path | None, settings: Setting
     return lines
 
 
+@functools.cache
 def worker_versions() -> dict[str, str]:
     """What the worker brings underneath every environment: its Python, torch and numpy."""
     found = {"python": sys.version}

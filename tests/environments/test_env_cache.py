@@ -113,3 +113,33 @@ def test_an_environment_providing_the_workers_packages_is_refused(tmp_path: Path
     assert shadowing(tmp_path) is None
     (site / "numpy-9.0.dist-info").mkdir()
     assert shadowing(tmp_path) == "'numpy'"
+
+
+def test_a_requirements_file_is_read_from_the_code_and_a_missing_one_fails_at_once(tmp_path: Path) -> None:
+    from api_schemas import JobSpec
+    from workers.attempts import NOT_RETRIED
+
+    code = tmp_path / "code"
+    code.mkdir()
+    spec = JobSpec.model_validate(
+        {
+            "name": "x",
+            "command": ["python", "-c", "pass"],
+            "code": {"sha256": "0" * 64},
+            "environment": {"requirements_file": "requirements.txt"},
+        }
+    )
+    settings = Settings(home=tmp_path)
+    with pytest.raises(EnvironmentFailed) as missing:
+        environments.requirement_lines(spec, code_dir=code, settings=settings)
+    assert (
+        missing.value.error.type == "RequirementsFileMissing"
+        and "requirements.txt" in missing.value.error.message
+    )
+    assert {"RequirementsFileMissing", "EnvironmentBuildFailed"} <= NOT_RETRIED
+    (code / "requirements.txt").write_text("# pinned\ndpt-alpha==1.0  # why\n")
+    assert environments.requirement_lines(spec, code_dir=code, settings=settings) == ["dpt-alpha==1.0"]
+    (code / "requirements.txt").write_text("torch==2.0\n")
+    with pytest.raises(EnvironmentFailed) as refused:
+        environments.requirement_lines(spec, code_dir=code, settings=settings)
+    assert refused.value.error.type == "EnvironmentBuildFailed" and "torch" in refused.value.error.message
