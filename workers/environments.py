@@ -79,7 +79,9 @@ def requirement_lines(spec: JobSpec, *, code_dir: Path | None, settings: Setting
     else:
         assert env.requirements_file is not None
         path = (code_dir / env.requirements_file) if code_dir is not None else None
-        if path is None or not path.is_file() or code_dir.resolve() not in path.resolve().parents:
+        # Inside the code tree even through a link (the unpacker keeps none that lead out; checked anyway).
+        inside = path is not None and code_dir is not None and code_dir.resolve() in path.resolve().parents
+        if path is None or not path.is_file() or not inside:
             message = (
                 f"environment.requirements_file {env.requirements_file!r} is not a file in the job's code"
             )
