@@ -7,16 +7,20 @@ its build in the sandbox where this host has one.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
+from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
+from service.jobs import service
 from service.models import LogLine
+from tests.api_fixtures import ADMIN_TOKEN
 from tests.env_index import ALPHA, BETA, MISSING, PackageIndex
-from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
+from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
 from workers import environments
 
 pytestmark = pytest.mark.e2e
@@ -115,3 +119,29 @@ def test_the_index_down_fails_the_job_within_the_build_timeout(
     error = job_row(sessions, job_id).error
     assert error is not None and error["type"] == "EnvironmentBuildFailed", error
     assert "took longer than 5 s" in error["message"] or "ERROR:" in error["message"], error
+
+
+def test_a_cancel_stops_a_build_at_once(
+    node: Settings, sessions: sessionmaker, package_index: PackageIndex
+) -> None:
+    package_index.stop()  # pip then retries the index: a build that would take a while
+    try:
+        job_id = _submit(sessions, [f"{ALPHA}!=1.5"])
+        thread, out = run_in_thread(node, job_id)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = job_row(sessions, job_id).environment_state
+            if state is not None and state["state"] == "preparing":
+                break
+            time.sleep(0.05)
+        with sessions.begin() as s:
+            service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
+        thread.join(timeout=60)
+    finally:
+        package_index.start()
+    assert out == [JobStatus.CANCELLED], out
+    assert job_row(sessions, job_id).status == "cancelled"
+    key = environments.environment_key([f"{ALPHA}!=1.5"], settings=node)
+    assert all(e["key"] != key for e in environments.cached(node.env_cache)), (
+        "the cancelled build left nothing"
+    )
