@@ -6,6 +6,7 @@ from api_schemas.init_from import InitCheckpoint, InitFrom
 from api_schemas.job_views import (
     CheckpointInfo,
     CheckpointList,
+    EnvironmentBuild,
     ErrorBody,
     Job,
     JobError,
@@ -44,6 +45,7 @@ from api_schemas.workers import Worker, WorkerList
 __all__ = [
     "ArtifactInfo",
     "ArtifactList",
+    "EnvironmentBuild",
     "EVAL_METRICS",
     "MAX_PRIORITY",
     "EVAL_METRIC_PATTERN",

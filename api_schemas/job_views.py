@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -28,6 +28,16 @@ class JobError(BaseModel):
     message: str
     rank: int | None = None
     traceback: str | None = Field(None, description="The tail of the failing rank's traceback.")
+
+
+class EnvironmentBuild(BaseModel):
+    """How the current attempt has its `environment`: being prepared, or ready (built or a cache hit)."""
+
+    state: Literal["preparing", "ready"]
+    started_at: datetime | None = Field(None, description="When this attempt started to prepare it.")
+    key: str | None = Field(None, description="sha256 of the requirements and the worker's Python, torch.")
+    cache_hit: bool | None = Field(None, description="True when the worker's cache already had it.")
+    build_seconds: float | None = Field(None, description="How long having it took (a hit: the lookup).")
 
 
 class Job(BaseModel):
@@ -72,6 +82,9 @@ class Job(BaseModel):
     )
     init_checkpoint: InitCheckpoint | None = Field(
         None, description="The checkpoint its spec's `init_from` named, as resolved and pinned at submit."
+    )
+    environment_build: EnvironmentBuild | None = Field(
+        None, description="How the current attempt has its spec's `environment` (null without one)."
     )
 
 

@@ -24,6 +24,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from api_schemas.base import MAX_PRIORITY, JsonValue, Strict
 from api_schemas.code import CodeRef, CommandArg, EnvName, EnvValue
 from api_schemas.data import DataSpec, data_rules
+from api_schemas.environment import EnvironmentSpec
 from api_schemas.init_from import InitFrom
 from api_schemas.recipes import EVAL_METRICS, RECIPES
 from api_schemas.training import CheckpointSpec, EngineOptions, EvaluationSpec
@@ -143,6 +144,11 @@ class JobSpec(Strict):
     env: dict[EnvName, EnvValue] = Field(
         default_factory=dict, max_length=128, description="Variables added to the ranks' environment."
     )
+    environment: EnvironmentSpec | None = Field(
+        None,
+        description="Python packages the ranks need beyond the worker's, built once per worker into a "
+        "cached environment (docs/code.md#python-packages).",
+    )
     stall_timeout_seconds: int = Field(
         1800,
         ge=10,
@@ -242,6 +248,10 @@ class JobSpec(Strict):
             )
         if self.code is not None and self.recipe is not None:
             refuse(("code",), "uploaded code runs with an 'entrypoint' or a 'command', not a recipe", None)
+        wanted = self.environment.requirements_file if self.environment is not None else None
+        if wanted is not None and self.code is None:
+            no_code = "a requirements_file is read from the uploaded 'code', and this job has none"
+            refuse(("environment", "requirements_file"), no_code, wanted)
         if self.recipe is not None and self.recipe not in RECIPES:
             refuse(
                 ("recipe",),

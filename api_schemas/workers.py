@@ -8,6 +8,17 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 
+class CachedEnvironment(BaseModel):
+    """A job environment a worker node has built and keeps (least recently used evicted first)."""
+
+    key: str = Field(
+        description="sha256 of its requirements and the worker's Python, torch, package sources."
+    )
+    bytes: int
+    build_seconds: float
+    used_at: datetime = Field(description="When an attempt last used it.")
+
+
 class Worker(BaseModel):
     """One worker node: what it runs on, how busy it is, when it last reported."""
 
@@ -27,6 +38,9 @@ class Worker(BaseModel):
     last_heartbeat: datetime
     heartbeat_age_seconds: float
     status: Literal["alive", "lost"] = Field(description="`lost` once 3 heartbeats are missed.")
+    cached_environments: list[CachedEnvironment] = Field(
+        default_factory=list, description="The job environments it has built and keeps, as of its last beat."
+    )
 
 
 class WorkerList(BaseModel):

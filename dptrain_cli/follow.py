@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
 from types import TracebackType
 
 from rich.console import Group, RenderableType
@@ -13,7 +14,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from api_schemas import Job
+from api_schemas import Job, JobStatus
 from dptrain.client import Client
 from dptrain_cli.output import clean, emit_json, err, out, step_text
 
@@ -22,6 +23,21 @@ SPARK = "▁▂▃▄▅▆▇█"
 # the server, so a long job costs no more than a short one.
 SPARK_POINTS = 48
 CURVES = ("loss", "eval/loss")
+
+
+def environment_text(job: Job, now: datetime | None = None) -> str | None:
+    """`preparing environment (12 s)` while a running job's environment is had; how it was, once ready."""
+    build = job.environment_build
+    if build is None:
+        return None
+    if build.state == "preparing":
+        if job.status is not JobStatus.RUNNING:
+            return None
+        since = build.started_at
+        elapsed = f" ({((now or datetime.now(UTC)) - since).total_seconds():.0f} s)" if since else ""
+        return f"preparing environment{elapsed}"
+    how = "cache hit" if build.cache_hit else f"built in {build.build_seconds or 0:.1f} s"
+    return f"environment {(build.key or '')[:16]}: {how}"
 
 
 class Progress:
@@ -87,6 +103,8 @@ def render(job: Job, curves: dict[str, list[float]]) -> RenderableType:
     parts: list[RenderableType] = [head, bar, rows]
     if job.queued_reason and not job.status.is_terminal() and job.progress.step == 0:
         parts.append(Text(clean(job.queued_reason), style="dim"))
+    if job.status is JobStatus.RUNNING and (env_line := environment_text(job)) is not None:
+        parts.append(Text(clean(env_line), style="dim"))
     parts += [Text(f"warning: {clean(w)}", style="yellow") for w in job.warnings]
     return Group(*parts)
 

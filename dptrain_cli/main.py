@@ -34,7 +34,7 @@ from dptrain_cli.calls import (
 )
 from dptrain_cli.calls import api as _api
 from dptrain_cli.calls import fetch as _fetch
-from dptrain_cli.follow import Progress, watch_job
+from dptrain_cli.follow import Progress, environment_text, watch_job
 from dptrain_cli.junit import junit_report
 from dptrain_cli.lazy import WithServerCommands
 from dptrain_cli.output import Output, emit_json, inert, out, say, step_text
@@ -231,6 +231,8 @@ def status(job_id: str, output: Output = OUTPUT) -> None:
         kind = job.spec.resources.device
         place = f"#{job.queue_position} in the {kind} queue" if job.queue_position else ""
         say(f"queued: {'; '.join(s for s in (place, job.queued_reason) if s)}")
+    if (env_line := environment_text(job)) is not None:
+        say(env_line)
     for warning in job.warnings:
         say(f"warning: {warning}")
     for name, value in sorted(job.latest_metrics.items()):

@@ -91,6 +91,17 @@ class Settings(BaseSettings):
     # for `dptrain up`'s embedded worker, which then runs them unsandboxed with a warning; `off`
     # never sandboxes (the same warning). Either way each unsandboxed job's timeline says so.
     sandbox: Literal["auto", "required", "off"] = "auto"
+    # A job's `environment` (docs/code.md#python-packages): where its packages come from (pip's
+    # --index-url; --find-links, a wheelhouse folder or page, comma-separated; empty: pip's own
+    # defaults), whether its requirements may carry pip options, URLs and local paths, how long a
+    # build may take (past it the job fails, EnvironmentBuildFailed), and where built environments
+    # are cached (default HOME/env-cache), least recently used evicted past the size cap.
+    pip_index_url: str = ""
+    pip_find_links: str = ""
+    pip_allow_options: bool = False
+    env_build_timeout_seconds: float = Field(900.0, gt=0)
+    env_cache_dir: Path | None = None
+    env_cache_max_bytes: int = Field(20 << 30, ge=0)
 
     # Webhooks (docs/api.md#webhooks): each delivery is a POST of at most this long; a failed one is
     # tried again after `webhook_backoff_seconds`, doubling up to `webhook_backoff_max_seconds`, until
@@ -184,6 +195,7 @@ class Settings(BaseSettings):
         if self.code_cache_dir is None:
             self.code_cache_dir = home / "code-cache"
         self.code_cache_dir = self.code_cache_dir.resolve()
+        self.env_cache_dir = (self.env_cache_dir or home / "env-cache").resolve()
         if self.data_root is not None:
             self.data_root = self.data_root.resolve()
         if self.api_docs is None:
@@ -214,6 +226,12 @@ class Settings(BaseSettings):
         """Where unpacked code trees live on this worker, always set after validation."""
         assert self.code_cache_dir is not None
         return self.code_cache_dir
+
+    @property
+    def env_cache(self) -> Path:
+        """Where built job environments live on this worker, always set after validation."""
+        assert self.env_cache_dir is not None
+        return self.env_cache_dir
 
     @property
     def is_sqlite(self) -> bool:

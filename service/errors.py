@@ -66,7 +66,7 @@ class TooManyRequests(ServiceError):
         super().__init__(message, headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
 
 
-def invalid_field(loc: tuple[str, ...], msg: str, value: object) -> RequestValidationError:
+def invalid_field(loc: tuple[str | int, ...], msg: str, value: object) -> RequestValidationError:
     """A 422 naming the field at `loc` (e.g. `("body", "code", "sha256")`), as FastAPI's own are."""
     return RequestValidationError([{"type": "value_error", "loc": loc, "msg": msg, "input": value}])
 

@@ -1,5 +1,6 @@
 """Shared fixtures: PostgreSQL (one migrated database rolled back per test, or one of a module's own),
 the job spec every test builds on, free ports, and the guard that keeps the `e2e` marker honest.
+The plugins below add the API's, the engine's and the package index's (tests/env_index.py) fixtures.
 
 Test functions take these as fixtures; code that runs where no fixture reaches (module-level
 constants, parametrize lists, helper modules such as tests/e2e/stack.py, spawned ranks) imports the
@@ -27,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db import make_engine
 
 ROOT = Path(__file__).resolve().parent.parent
-pytest_plugins = ["tests.api_fixtures", "tests.engine_fixtures"]
+pytest_plugins = ["tests.api_fixtures", "tests.engine_fixtures", "tests.env_index"]
 PG_ADMIN_URL = os.environ.get("DPTRAIN_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("DPTRAIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 

@@ -78,6 +78,11 @@ NOT_RETRIED = frozenset(
         # (workers/init_checkpoint.py): a restart reads the same file.
         "InitCheckpointMismatch",
         "InitCheckpointMissing",
+        # The job's environment cannot be built (the resolver's refusal, a missing package, the index
+        # unreachable past the build's timeout) or its requirements file is not in the code
+        # (workers/environments.py): the same requirements meet the same index again.
+        "EnvironmentBuildFailed",
+        "RequirementsFileMissing",
     }
 )
 

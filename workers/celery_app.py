@@ -46,6 +46,7 @@ def _start_background(sender: Any = None, **_: Any) -> None:
     from service.dispatch import CeleryDispatcher
     from service.scheduling.scheduler import Scheduler
     from workers import runner
+    from workers.environments import listed_environments
     from workers.heartbeat import Heartbeat, node_address, node_slots
     from workers.reconciler import Reconciler, recover_lost
 
@@ -75,6 +76,7 @@ def _start_background(sender: Any = None, **_: Any) -> None:
         slots=node_slots(settings, device),
         interval=settings.worker_heartbeat_seconds,
         on_first_beat=scheduler.kick,
+        environments=lambda: listed_environments(settings.env_cache),
     )
     reconciler = Reconciler(
         sessions=session_factory(settings),

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -54,12 +55,14 @@ class Heartbeat(threading.Thread):
         slots: int,
         interval: float,
         on_first_beat: Callable[[], None] | None = None,
+        environments: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
         super().__init__(name="dptrain-heartbeat", daemon=True)
         self.sessions, self.worker, self.address, self.device = sessions, name, address, device
         self.slots, self.interval = slots, interval
         self.count = device_count(device)
         self.on_first_beat = on_first_beat
+        self.environments = environments
         self.stopped = threading.Event()
 
     def beat(self) -> None:
@@ -74,6 +77,7 @@ class Heartbeat(threading.Thread):
                 device_count=self.count,
                 slots=self.slots,
                 now=utcnow(),
+                environments=self.environments() if self.environments is not None else None,
             )
 
     def run(self) -> None:

@@ -74,6 +74,10 @@ class RankSetup:
     # The sandbox the ranks run in; None: they run unsandboxed, for the reason in `unsandboxed`.
     box: sandbox.Box | None = None
     unsandboxed: str | None = None
+    # The job's unpacked code tree, and the interpreter that starts torchrun (None: the worker's;
+    # a job's environment's otherwise, workers/env_setup.py).
+    code_dir: Path | None = None
+    python: Path | None = None
 
 
 def unpack_code(settings: Settings, spec: JobSpec) -> Path | None:
@@ -175,7 +179,7 @@ def prepare(
             uid=run_as.uid if root and run_as else None,
             gid=run_as.gid if root and run_as else None,
         )
-    return RankSetup(cwd=scratch.workdir, env=env, run_as=run_as, box=box, unsandboxed=why)
+    return RankSetup(cwd=scratch.workdir, env=env, run_as=run_as, box=box, unsandboxed=why, code_dir=code_dir)
 
 
 def _own(top: Path, uid: int, gid: int) -> None:

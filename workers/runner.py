@@ -23,12 +23,14 @@ from api_schemas import JobError, JobStatus
 from service.config import Settings
 from service.db import session_factory
 from service.files import PRIVATE_UMASK
+from service.jobs import lifecycle
 from service.scheduling import repository as placement
-from workers import init_checkpoint, sandbox
+from workers import env_setup, init_checkpoint, sandbox
 from workers.acceptance import Unrunnable, accept
-from workers.attempts import end_abnormally, note_unsandboxed, record_outcome
+from workers.attempts import WORKER_STOPPED, end_abnormally, finish, note_unsandboxed, record_outcome
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import torchrun_command
+from workers.environments import Aborted, EnvironmentFailed
 from workers.node_run import NodeRun, RunPaths
 from workers.outputs import Guard, Limits
 from workers.outputs import record as record_outputs
@@ -163,7 +165,9 @@ def _supervise(
             sessions, att=att, node=f"node {run.node_rank} ({settings.node})", why=setup.unsandboxed
         )
     try:
-        return _launch(sessions=sessions, settings=settings, run=run, paths=paths, setup=setup)
+        # Holds the job's environment (if any) until its ranks are gone: eviction never removes it.
+        with contextlib.ExitStack() as hold:
+            return _launch(sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, hold=hold)
     finally:
         # Its ranks are gone (_launch killed what was left): only what they wrote on purpose stays.
         remove_scratch(paths.run_dir)
@@ -177,9 +181,15 @@ def _supervise(
 
 
 def _launch(
-    *, sessions: sessionmaker[Session], settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetup
+    *,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    run: NodeRun,
+    paths: RunPaths,
+    setup: RankSetup,
+    hold: contextlib.ExitStack,
 ) -> JobStatus:
-    """Start this node's ranks, watch them to their end, report the last of it, record the outcome."""
+    """Have the job's environment, start this node's ranks, watch them to their end, record the outcome."""
     spec, job_id = run.spec, run.att.job_id
     reporter = Reporter(
         sessions=sessions,
@@ -200,6 +210,16 @@ def _launch(
     limits = Limits(max_bytes=settings.max_output_bytes_per_job, max_files=settings.max_output_files_per_job)
     # Rank 0's node alone measures and records the outputs (rank 0 writes them; docs/code.md).
     guard = Guard(paths.output_dir, limits) if run.is_primary else None
+    try:
+        setup = env_setup.enter(
+            hold, sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, reporter=reporter
+        )
+    except EnvironmentFailed as exc:
+        final_flush(reporter, interval=settings.report_interval_seconds, job_id=job_id)
+        return end_abnormally(sessions, att=run.att, error=exc.error)
+    except Aborted:
+        final_flush(reporter, interval=settings.report_interval_seconds, job_id=job_id)
+        return _stopped_while_preparing(sessions, run=run, reporter=reporter)
     proc = _start(settings=settings, run=run, paths=paths, setup=setup)
     sandboxed = setup.box is not None
     try:
@@ -252,6 +272,8 @@ def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetu
         device=spec.resources.device,
         command=spec.command,
     )
+    if setup.python is not None:
+        argv[0] = str(setup.python)  # the job's environment: its interpreter is every rank's `python`
     # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
     user: dict[str, Any] = {"umask": PRIVATE_UMASK}
     if setup.box is not None:
@@ -264,6 +286,21 @@ def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetu
     with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
         paths.pid_file.write_text(f"{proc.pid}\n")
     return proc
+
+
+def _stopped_while_preparing(
+    sessions: sessionmaker[Session], *, run: NodeRun, reporter: Reporter
+) -> JobStatus:
+    """Record the end of an attempt stopped before its ranks started (while its environment was had)."""
+    att = run.att
+    if reporter.state.fenced_out:
+        return JobStatus.RUNNING
+    if reporter.state.cancel_requested:
+        dst, reason = lifecycle.end_of_cancelled_run(finished=False)
+        finish(sessions, job_id=att.job_id, token=att.token, dst=dst, reason=reason)
+        return dst
+    message = "its worker was stopped while it prepared the job's environment"
+    return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
 
 
 def _start_ranks(

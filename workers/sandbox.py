@@ -83,6 +83,8 @@ class Box:
     output_dir: Path | None = None
     # The folder of the job's pinned `init_from` checkpoint (DPTRAIN_INIT_CHECKPOINT), read-only.
     init_dir: Path | None = None
+    # The job's Python environment (workers/env_setup.py), read-only.
+    env_dir: Path | None = None
 
 
 def python_paths() -> list[Path]:
@@ -160,6 +162,7 @@ def bwrap_argv(box: Box, command: Sequence[str]) -> list[str]:
         *([box.code_dir] if box.code_dir else []),
         *([box.data_root] if box.data_root else []),
         *([box.init_dir] if box.init_dir else []),
+        *([box.env_dir] if box.env_dir else []),
     ]
     rw = _outermost([box.run_dir, box.checkpoint_dir, *([box.output_dir] if box.output_dir else [])])
     binds = [("--ro-bind", p) for p in ro] + [("--bind", p) for p in rw]

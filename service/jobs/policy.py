@@ -12,6 +12,7 @@ from service.code import storage
 from service.code.service import refuse_unless_may_run_code
 from service.config import Settings
 from service.errors import Forbidden, invalid_field
+from service.jobs import requirements
 from service.models import User
 from service.models.base import utcnow
 
@@ -29,6 +30,8 @@ def check_user_code(session: Session, *, user: User, spec: JobSpec, settings: Se
     """
     if spec.env:
         check_env_grant(user)
+    if spec.environment is not None:
+        check_environment(user=user, spec=spec, settings=settings)
     if not runs_user_code(spec):
         return
     mode = settings.user_code
@@ -57,6 +60,29 @@ def check_env_grant(user: User) -> None:
     # included, so setting any is running code: the same grant. Which names are refused is the
     # spec's own rule (api_schemas/env.py), for everyone.
     refuse_unless_may_run_code(user, doing="set `env` (the ranks' variables steer what they run)")
+
+
+def check_environment_grant(user: User, settings: Settings) -> None:
+    """Refuse (403) a job `environment` from a user who may not run code, or where uploaded code is off."""
+    # Installing a package runs its build and, in the ranks, its code: the same grant as uploaded code.
+    if settings.user_code != "uploaded":
+        raise Forbidden(
+            f"this server installs no job packages (DPTRAIN_USER_CODE={settings.user_code}): no `environment`"
+        )
+    refuse_unless_may_run_code(user, doing="set `environment` (installing packages runs their code)")
+
+
+def check_environment(*, user: User, spec: JobSpec, settings: Settings) -> None:
+    """Refuse (403, or 422 naming the line) an `environment` this user or this server may not have built."""
+    check_environment_grant(user, settings)
+    lines = spec.environment.requirements if spec.environment is not None else None
+    if not lines:
+        return  # a requirements_file is checked by the worker, which reads it from the code
+    found = requirements.problems(lines, allow_options=settings.pip_allow_options)
+    if found:
+        first = found[0]
+        loc = ("body", "environment", "requirements", first.index)
+        raise invalid_field(loc, f"requirement {first.line!r}: {first.reason}", first.line)
 
 
 def _check_allowed(entrypoint: str, settings: Settings) -> None:

@@ -57,12 +57,15 @@ _REPLAY: dict[int | str, dict[str, object]] = {
 }
 
 
-async def _env_grant(request: Request, user: CurrentUser) -> None:
-    # A dependency, so it runs before the body's own rules: a user who may not set `env` at all
-    # hears that (403), not which names the spec refuses. The policy checks the validated spec again.
+async def _env_grant(request: Request, user: CurrentUser, settings: SettingsDep) -> None:
+    # A dependency, so it runs before the body's own rules: a user who may not set `env` (or
+    # `environment`) at all hears that (403), not which names or requirements the spec refuses. The
+    # policy checks the validated spec again.
     body = parsed_body(request)
     if isinstance(body, dict) and body.get("env"):
         policy.check_env_grant(user)
+    if isinstance(body, dict) and body.get("environment") is not None:
+        policy.check_environment_grant(user, settings)
 
 
 @router.post(

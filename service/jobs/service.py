@@ -75,6 +75,7 @@ def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
         # The reason of an unplaceable job is placement.never_fits's sentence: the warning itself.
         warnings=[job.queued_reason] if unplaceable and job.queued_reason else [],
         init_checkpoint=_init_checkpoint(job),
+        environment_build=stored.shown_environment(job.environment_state),
     )
     try:
         return Job(**fields)

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api_schemas import JobError, JobSpec
+from api_schemas import EnvironmentBuild, JobError, JobSpec
 
 # JobError.type of a job whose stored spec cannot be run.
 INVALID_SPEC = "InvalidSpec"
@@ -80,6 +80,16 @@ def shown_error(stored: Any) -> JobError | None:
     except ValidationError as exc:
         message = f"the stored error does not validate ({describe(exc)}): {stored!r}"
         return JobError(type="InvalidError", message=message[:_MAX_MESSAGE])
+
+
+def shown_environment(stored: Any) -> EnvironmentBuild | None:
+    """How the current attempt has its environment, as stored; None if none is or it does not validate."""
+    if not stored:
+        return None
+    try:
+        return EnvironmentBuild.model_validate(stored)
+    except ValidationError:
+        return None  # written by the worker alone; an older or damaged record is just not shown
 
 
 def shown_metrics(stored: Any) -> dict[str, float]:

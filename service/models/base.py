@@ -47,5 +47,6 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {
         dict[str, Any]: JSONType,
+        list[dict[str, Any]]: JSONType,
         datetime: UtcDateTime(),
     }

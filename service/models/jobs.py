@@ -118,6 +118,10 @@ class Job(Base):
     init_step: Mapped[int | None] = mapped_column(BigInteger, default=None)
     init_path: Mapped[str | None] = mapped_column(Text, default=None)
     init_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+    # How the current attempt has its `environment` (api_schemas.job_views.EnvironmentBuild), written
+    # by its node 0: `preparing` with its start, then `ready` with the key, the build's time and
+    # whether the worker's cache had it. NULL for a job without one (or before its first attempt).
+    environment_state: Mapped[dict[str, Any] | None] = mapped_column(default=None)
 
 
 class JobTransition(Base):

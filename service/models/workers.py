@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import ForeignKey, Index, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
@@ -25,6 +26,8 @@ class Worker(Base):
     slots: Mapped[int]
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
+    # The job environments this node has cached (workers/environments.cached), as of its last beat.
+    environments: Mapped[list[dict[str, Any]] | None] = mapped_column(default=None)
 
 
 class JobNode(Base):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
@@ -21,9 +22,11 @@ def heartbeat(
     device_count: int,
     slots: int,
     now: datetime,
+    environments: list[dict[str, Any]] | None = None,
 ) -> None:
     """Record that worker `name` is alive now (its row is created on the first beat)."""
-    values = {
+    values: dict[str, Any] = {
+        "environments": environments,
         "hostname": hostname,
         "address": address,
         "device": device,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
+from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api_schemas import Worker, WorkerList
+from api_schemas.workers import CachedEnvironment
 from service.models import User
 from service.models import Worker as WorkerRow
 from service.models.base import utcnow
@@ -44,9 +47,17 @@ def list_workers(
                 last_heartbeat=w.last_heartbeat,
                 heartbeat_age_seconds=round(age, 3),
                 status="lost" if age > LOST_AFTER_BEATS * heartbeat_seconds else "alive",
+                cached_environments=_environments(w.environments),
             )
         )
     return WorkerList(items=items)
+
+
+def _environments(stored: Any) -> list[CachedEnvironment]:
+    try:
+        return [CachedEnvironment.model_validate(e) for e in stored or []]
+    except ValidationError:
+        return []  # written by the worker alone: a damaged record is just not shown
 
 
 def _public_name(w: WorkerRow) -> str:

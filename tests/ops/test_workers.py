@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
@@ -85,3 +86,28 @@ def test_only_admins_see_host_names_and_addresses(
     )
     again = client.get("/v1/workers", headers=as_user(add_user(db, "vera"))).json()["items"]
     assert sorted(w["name"] for w in again) == names, "the alias is the same on every look"
+
+
+def test_a_worker_lists_the_environments_it_has_cached(
+    client: TestClient, sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from workers.environments import held, listed_environments
+
+    def build(root: Path) -> None:
+        (root / "blob").write_bytes(b"x" * 100)
+
+    with held(cache=tmp_path, key="ab" * 32, build=build, poll=lambda: True, max_bytes=10**9):
+        pass
+    heartbeat = Heartbeat(
+        sessions=sessions,
+        name="host-env",
+        address="10.0.0.9",
+        device="cpu",
+        slots=2,
+        interval=5.0,
+        environments=lambda: listed_environments(tmp_path),
+    )
+    heartbeat.beat()
+    (w,) = client.get("/v1/workers").json()["items"]
+    (env,) = w["cached_environments"]
+    assert env["key"] == "ab" * 32 and env["bytes"] >= 100 and env["build_seconds"] >= 0, env

@@ -1,0 +1,238 @@
+"""Build one job environment: a venv layered over the worker's, its packages installed by pip, in the sandbox.
+
+The venv is made with the worker's interpreter (uv's `uv venv` where uv is installed, else
+`python -m venv`); a `.pth` file in its site-packages adds the worker's own site-packages after
+the venv's (`site.addsitedir`, so the worker's own .pth files, editable installs included, apply):
+torch, numpy and dptrain come from underneath, the job's packages sit on top. pip installs them,
+run by the venv's interpreter, so the resolver sees the worker's distributions as installed and
+never fetches a second torch or numpy for a dependency (uv's resolver reads only the venv's own
+site-packages and would; checked with uv 0.13), and a constraints file pins the worker's torch and
+numpy, so a requirement that needs others fails with the resolver's message. A check afterwards
+refuses an environment whose files provide one of the worker's packages anyway (a local wheel, a
+URL).
+
+pip runs in the same bubblewrap sandbox as the ranks, as their user, seeing the worker's Python
+read-only and only the environment's folder writable. The sandbox shares the host's network (no
+--unshare-net): the index must be reachable; nothing else of the host is visible. pip's config
+files are ignored (PIP_CONFIG_FILE=/dev/null): the operator's DPTRAIN_PIP_* settings alone say
+where packages come from. Its output streams into `log` (the job's `setup` log lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import site
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api_schemas import JobError
+from service.config import Settings
+from service.jobs.requirements import OUR_PACKAGES, WORKER_DISTRIBUTIONS, protected
+from workers import sandbox
+from workers.environments import ERROR_TYPE, Aborted, EnvironmentFailed, worker_versions
+from workers.procs import kill_group
+
+POLL_SECONDS = 0.1
+TIMEOUT_SETTING = "DPTRAIN_ENV_BUILD_TIMEOUT_SECONDS"
+MESSAGE_LINES = 12
+TRACEBACK_LINES = 60
+# Variables pip may need from the worker's environment (a proxy to the index, the locale).
+PASSED_THROUGH = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy", "LANG")
+
+
+@dataclass(frozen=True)
+class Builder:
+    """How this node builds: the job's lines, the operator's settings, the ranks' sandbox and user."""
+
+    lines: list[str]
+    settings: Settings
+    log: Path
+    box: sandbox.Box | None
+    uid: int | None = None
+    gid: int | None = None
+    code_dir: Path | None = None
+    # Runs while the build does: False gives it up (Aborted), e.g. on a cancel.
+    poll: Callable[[], bool] = lambda: True
+
+    def __call__(self, root: Path) -> None:
+        """Build the environment in the empty folder `root`; EnvironmentFailed with pip's own message."""
+        _make_venv(root)
+        (root / "setup").mkdir()
+        (root / "setup" / "requirements.txt").write_text("\n".join(self.lines) + "\n")
+        pins = [f"{name}=={v}" for name, v in worker_versions().items() if name in WORKER_DISTRIBUTIONS]
+        (root / "setup" / "constraints.txt").write_text("\n".join(pins) + "\n")
+        (root / "setup" / "tmp").mkdir()
+        owner = (self.uid, self.gid) if self.uid is not None and self.gid is not None else None
+        if owner is not None:
+            _chown_tree(root, *owner)
+        try:
+            rc, output = self._run(root)
+        finally:
+            if owner is not None:
+                _chown_tree(root, os.getuid(), os.getgid())
+            shutil.rmtree(root / "setup" / "tmp", ignore_errors=True)
+        if rc != 0:
+            raise EnvironmentFailed(_pip_error(output, rc))
+        if (found := shadowing(root)) is not None:
+            message = f"the requirements installed {found}, which always comes from the worker's environment"
+            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+        # Read-only to the ranks, whoever they run as (the worker's umask is 077); the worker alone
+        # removes it.
+        os.chmod(root, 0o755)
+        for dirpath, dirs, files in os.walk(root):
+            for name in (*dirs, *files):
+                path = os.path.join(dirpath, name)
+                if not os.path.islink(path):
+                    os.chmod(path, os.lstat(path).st_mode & 0o755 | 0o444 | (0o111 if name in dirs else 0))
+
+    def _argv(self, root: Path) -> list[str]:
+        setup = root / "setup"
+        argv = [str(root / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "--no-input"]
+        argv += ["install", "--no-cache-dir", "--progress-bar", "off", "--no-warn-script-location"]
+        argv += ["-r", str(setup / "requirements.txt"), "-c", str(setup / "constraints.txt")]
+        if self.settings.pip_index_url:
+            argv += ["--index-url", self.settings.pip_index_url]
+        for link in filter(None, (s.strip() for s in self.settings.pip_find_links.split(","))):
+            argv += ["--find-links", link]
+        if self.box is None:
+            return argv
+        box = sandbox.Box(
+            run_dir=root,
+            checkpoint_dir=root,
+            workdir=self.code_dir or root,
+            tmp_dir=setup / "tmp",
+            code_dir=self.code_dir,
+            uid=self.box.uid,
+            gid=self.box.gid,
+        )
+        return sandbox.bwrap_argv(box, argv)
+
+    def _run(self, root: Path) -> tuple[int, list[str]]:  # noqa: C901 - one loop: read, log, time out
+        tmp = "/tmp" if self.box is not None else str(root / "setup" / "tmp")
+        env = {k: v for k, v in os.environ.items() if k in PASSED_THROUGH}
+        env |= {
+            "PATH": f"{root / 'bin'}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
+            "HOME": tmp,
+            "TMPDIR": tmp,
+            "PIP_CONFIG_FILE": os.devnull,
+            "PYTHONNOUSERSITE": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        user: dict[str, Any] = {}
+        if self.box is None and self.uid is not None:
+            user = {"user": self.uid, "group": self.gid, "extra_groups": []}
+        deadline = time.monotonic() + self.settings.env_build_timeout_seconds
+        output: list[str] = []
+        with self.log.open("a") as log:
+            log.write(f"[setup] installing {len(self.lines)} requirements: {' '.join(self.lines)}\n")
+            log.flush()
+            proc: subprocess.Popen[bytes] = subprocess.Popen(
+                self._argv(root),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.code_dir or root,
+                start_new_session=True,
+                **user,
+            )
+            assert proc.stdout is not None
+            os.set_blocking(proc.stdout.fileno(), False)
+            pending = b""
+            try:
+                while True:
+                    chunk = _read(proc)
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for raw in lines:
+                        line = raw.decode(errors="replace").rstrip()
+                        output.append(line)
+                        log.write(f"[setup] {line}\n")
+                    log.flush()
+                    if not chunk and proc.poll() is not None:
+                        break
+                    if time.monotonic() > deadline:
+                        limit = self.settings.env_build_timeout_seconds
+                        message = f"the environment's build took longer than {limit:g} s ({TIMEOUT_SETTING})"
+                        log.write(f"[setup] {message}\n")
+                        tail = "\n".join(output[-TRACEBACK_LINES:]) or None
+                        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message, traceback=tail))
+                    if not self.poll():
+                        raise Aborted
+                    if not chunk:
+                        time.sleep(POLL_SECONDS)
+            finally:
+                if proc.poll() is None:
+                    kill_group(proc, sandboxed=self.box is not None)
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=30)
+                proc.stdout.close()
+        return proc.returncode, output
+
+
+def _read(proc: subprocess.Popen[bytes]) -> bytes:
+    assert proc.stdout is not None
+    try:
+        return proc.stdout.read() or b""
+    except BlockingIOError:
+        return b""
+
+
+def _make_venv(root: Path) -> None:
+    """An empty venv at `root` with the worker's interpreter, its site-packages layered over the worker's."""
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is not None:
+        argv = [uv, "venv", "--quiet", "--allow-existing", "--python", sys.executable, str(root)]
+    else:
+        argv = [sys.executable, "-m", "venv", "--without-pip", str(root)]
+    env = {"PATH": os.environ.get("PATH", ""), "UV_NO_CONFIG": "1", "UV_PYTHON_DOWNLOADS": "never"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    if done.returncode != 0:
+        message = f"making the environment's venv failed: {done.stderr.strip()[-2000:]}"
+        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+    layered = [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
+    (purelib,) = {p for p in root.glob("lib/python*/site-packages")}
+    # After the venv's own folder (addsitedir appends), so the job's packages win over the worker's
+    # others; torch, numpy and ours are never in the venv (constraints, then `shadowing`).
+    lines = [f"import site; site.addsitedir({str(p)!r})" for p in layered]
+    (purelib / "_dptrain_worker.pth").write_text("\n".join(lines) + "\n")
+
+
+def shadowing(root: Path) -> str | None:
+    """A package of the worker's (torch, numpy, ours) that the environment's own site-packages provides."""
+    for purelib in root.glob("lib/python*/site-packages"):
+        for entry in purelib.iterdir():
+            name = entry.name
+            if name.endswith(".dist-info"):
+                dist = name[: -len(".dist-info")].rsplit("-", 1)[0]
+                if protected(dist):
+                    return repr(dist)
+                continue
+            module = name.split(".", 1)[0]
+            if module in OUR_PACKAGES or module in WORKER_DISTRIBUTIONS or module.startswith("dptrain"):
+                return repr(module)
+    return None
+
+
+def _pip_error(output: list[str], rc: int) -> JobError:
+    """The job's error for a failed pip: its ERROR lines (the resolver's message), its tail as traceback."""
+    said = [line for line in output if line.startswith("ERROR:")]
+    message = "\n".join(said[:MESSAGE_LINES]) or f"pip exited with code {rc}"
+    tail = "\n".join(output[-TRACEBACK_LINES:]) or None
+    return JobError(
+        type=ERROR_TYPE, message=f"installing the job's requirements failed: {message}", traceback=tail
+    )
+
+
+def _chown_tree(top: Path, uid: int, gid: int) -> None:
+    for dirpath, dirs, files in os.walk(top):
+        for name in (*dirs, *files):
+            with contextlib.suppress(FileNotFoundError):
+                os.lchown(os.path.join(dirpath, name), uid, gid)
+    os.chown(top, uid, gid)
