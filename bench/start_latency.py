@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,10 @@ SPEC = {
 }
 
 
-def job_start(http: httpx.Client, timeout: float = 120) -> float:
-    """Submit, return seconds to the first metric point; then wait for the job to end."""
+def job_start(http: httpx.Client, *, spec: Mapping[str, Any] = SPEC, timeout: float = 120) -> float:
+    """Submit `spec`, return seconds to the first metric point; then wait for the job to end."""
     start = time.perf_counter()
-    r = http.post("/v1/jobs", json=SPEC)
+    r = http.post("/v1/jobs", json=spec)
     assert r.status_code == 201, f"submit: expected 201, got {r.status_code} {r.text[:300]}"
     job_id = r.json()["id"]
     deadline = start + timeout

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -145,15 +146,21 @@ class PackageIndex:
         return self.log.read_text() if self.log.exists() else ""
 
 
+@contextmanager
+def running_index(base: Path) -> Iterator[PackageIndex]:
+    """Build the wheels under `base` and serve them until the block ends (the benchmarks use it too)."""
+    wheelhouse = base / "wheels"
+    build_wheels(wheelhouse, base / "build")
+    index = PackageIndex(wheelhouse=wheelhouse, log=base / "requests.log", port=free_port())
+    index.start()
+    try:
+        yield index
+    finally:
+        index.stop()
+
+
 @pytest.fixture(scope="session")
 def package_index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PackageIndex]:
     """A running local index serving dpt-alpha 1.0 and 2.0 and dpt-beta 1.0 (see module constants)."""
-    base = tmp_path_factory.mktemp("package_index")
-    build = base / "build"
-    build.mkdir()
-    wheelhouse = base / "wheels"
-    build_wheels(wheelhouse, build)
-    index = PackageIndex(wheelhouse=wheelhouse, log=base / "requests.log", port=free_port())
-    index.start()
-    yield index
-    index.stop()
+    with running_index(tmp_path_factory.mktemp("package_index")) as index:
+        yield index
