@@ -34,6 +34,8 @@ BENCHMARKS = [
     "memory",
     "data_pipeline",
     "placement",
+    # Issue 33: a job's cached environment against none (needs the per-job environments).
+    "env_start",
 ]
 FINDINGS = ROOT / "bench" / "findings.md"
 INTRO = (
