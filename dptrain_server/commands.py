@@ -187,9 +187,12 @@ def up(
     # Ranks beyond the cores share them; the worker gives them one thread each (workers/rank_setup.py).
     env = dict(os.environ)
     worker_args = ["worker", "--device", "cpu", "--slots", str(slots), "--embedded"]
+    # Children stop in the reverse order of their start: the webhook sender first in, last out, so
+    # its own shutdown never delays the worker's (whose running jobs go back to the queue at once),
+    # and the state changes of that shutdown are in its outbox before it goes.
+    supervisor.start("webhooks", ["webhook-worker"], env=env, stop_seconds=WORKER_STOP_SECONDS, restart=True)
     # A worker that dies is started again (its runs are requeued); the API serves on meanwhile.
     supervisor.start("worker", worker_args, env=env, stop_seconds=WORKER_STOP_SECONDS, restart=True)
-    supervisor.start("webhooks", ["webhook-worker"], env=env, stop_seconds=WORKER_STOP_SECONDS, restart=True)
     api_args = ["api", "--host", host, "--port", str(port)]
     supervisor.start("API", api_args, env=env, stop_seconds=API_STOP_SECONDS)
     _banner(host=host, port=port, home=home, token_file=token_file, slots=slots, settings=settings)
