@@ -1,26 +1,34 @@
-"""Build one job environment: a venv layered over the worker's, its packages installed by pip, in the sandbox.
+"""Build one job environment: a venv layered over the worker's, its packages installed by uv, in the sandbox.
 
-The venv is made with the worker's interpreter (uv's `uv venv` where uv is installed, else
-`python -m venv`); a `.pth` file in its site-packages adds the worker's own site-packages after
-the venv's (`site.addsitedir`, so the worker's own .pth files, editable installs included, apply):
-torch, numpy and dptrain come from underneath, the job's packages sit on top. pip installs them,
-run by the venv's interpreter, so the resolver sees the worker's distributions as installed and
-never fetches a second torch or numpy for a dependency (uv's resolver reads only the venv's own
-site-packages and would; checked with uv 0.13), and a constraints file pins the worker's torch and
-numpy, so a requirement that needs others fails with the resolver's message. A check afterwards
-refuses an environment whose files provide one of the worker's packages anyway (a local wheel, a
-URL).
+The venv is made with the worker's interpreter (`uv venv` where uv is installed, else `python -m
+venv`); a `.pth` file in its site-packages adds the worker's own site-packages after the venv's
+(`site.addsitedir`, so the worker's own .pth files, editable installs included, apply): torch,
+numpy and dptrain come from underneath, the job's packages sit on top.
 
-pip runs in the same bubblewrap sandbox as the ranks, as their user, seeing the worker's Python
-read-only and only the environment's folder writable. The sandbox shares the host's network (no
---unshare-net): the index must be reachable; nothing else of the host is visible. pip's config
-files are ignored (PIP_CONFIG_FILE=/dev/null): the operator's DPTRAIN_PIP_* settings alone say
-where packages come from. Its output streams into `log` (the job's `setup` log lines).
+uv installs them, with every distribution of the worker's environment excluded from its
+resolution (`--excludes`): uv reads only the venv's own site-packages (it ignores layered and system
+site-packages by design, astral-sh/uv#2101), so without the exclusions it would fetch a second numpy
+or torch for any dependency. What the exclusions leave unchecked is checked afterwards with
+`packaging`: every requirement of the installed distributions, and every line of the job's, that
+names a worker distribution must be met by the worker's own version, else the build fails naming
+both. So a job never replaces a package the worker's stack imports (torch, numpy, pydantic,
+dptrain's...). Where uv is absent, pip run by the venv's interpreter installs instead: it sees the
+worker's distributions as installed, and a constraints file pins the worker's torch and numpy. A
+check afterwards refuses an environment whose files provide one of the worker's packages anyway
+(a local wheel, a URL).
+
+The installer runs in the same bubblewrap sandbox as the ranks, as their user, seeing the worker's
+Python read-only and only the environment's folder writable, with no cache shared between builds
+(a build runs the job's own code: an sdist's build script must not reach another job's wheels). The
+sandbox shares the host's network (no --unshare-net): the index must be reachable; nothing else of
+the host is visible. uv's and pip's config files are ignored: the operator's DPTRAIN_PIP_* settings
+alone say where packages come from. Its output streams into `log` (the job's `setup` log lines).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import shutil
 import site
@@ -31,6 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from api_schemas import JobError
 from service.config import Settings
@@ -68,6 +80,7 @@ class Builder:
         (root / "setup" / "requirements.txt").write_text("\n".join(self.lines) + "\n")
         pins = [f"{name}=={v}" for name, v in worker_versions().items() if name in WORKER_DISTRIBUTIONS]
         (root / "setup" / "constraints.txt").write_text("\n".join(pins) + "\n")
+        (root / "setup" / "excludes.txt").write_text("\n".join(sorted(worker_distributions())) + "\n")
         (root / "setup" / "tmp").mkdir()
         owner = (self.uid, self.gid) if self.uid is not None and self.gid is not None else None
         if owner is not None:
@@ -79,7 +92,9 @@ class Builder:
                 _chown_tree(root, os.getuid(), os.getgid())
             shutil.rmtree(root / "setup" / "tmp", ignore_errors=True)
         if rc != 0:
-            raise EnvironmentFailed(_pip_error(output, rc))
+            raise EnvironmentFailed(_install_error(output, rc))
+        if (unmet := unmet_by_worker(root, self.lines)) is not None:
+            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=unmet))
         if (found := shadowing(root)) is not None:
             message = f"the requirements installed {found}, which always comes from the worker's environment"
             raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
@@ -94,9 +109,14 @@ class Builder:
 
     def _argv(self, root: Path) -> list[str]:
         setup = root / "setup"
-        argv = [str(root / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "--no-input"]
-        argv += ["install", "--no-cache-dir", "--progress-bar", "off", "--no-warn-script-location"]
-        argv += ["-r", str(setup / "requirements.txt"), "-c", str(setup / "constraints.txt")]
+        if (uv := uv_binary()) is not None:
+            argv = [uv, "pip", "install", "--python", str(root / "bin" / "python"), "--no-progress"]
+            argv += ["--color", "never", "--no-cache", "-r", str(setup / "requirements.txt")]
+            argv += ["--excludes", str(setup / "excludes.txt")]
+        else:
+            argv = [str(root / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "--no-input"]
+            argv += ["install", "--no-cache-dir", "--progress-bar", "off", "--no-warn-script-location"]
+            argv += ["-r", str(setup / "requirements.txt"), "-c", str(setup / "constraints.txt")]
         if self.settings.pip_index_url:
             argv += ["--index-url", self.settings.pip_index_url]
         for link in filter(None, (s.strip() for s in self.settings.pip_find_links.split(","))):
@@ -122,6 +142,8 @@ class Builder:
             "HOME": tmp,
             "TMPDIR": tmp,
             "PIP_CONFIG_FILE": os.devnull,
+            "UV_NO_CONFIG": "1",
+            "UV_PYTHON_DOWNLOADS": "never",
             "PYTHONNOUSERSITE": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
         }
@@ -184,9 +206,47 @@ def _read(proc: subprocess.Popen[bytes]) -> bytes:
         return b""
 
 
+def uv_binary() -> str | None:
+    """uv beside the worker's interpreter (where `pip install uv` puts it), else on PATH; None without."""
+    return shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+
+
+def worker_distributions() -> set[str]:
+    """The canonical names of every distribution in the worker's environment (what a job sees underneath)."""
+    names = (dist.metadata["Name"] for dist in importlib.metadata.distributions())
+    return {canonicalize_name(name) for name in names if name}
+
+
+def unmet_by_worker(root: Path, lines: list[str]) -> str | None:
+    """Why the environment cannot run here: a requirement on one of the worker's packages it does not meet."""
+    provided = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    wanted: list[tuple[str, str]] = [("the job's requirements", line) for line in lines]
+    purelib = [str(p) for p in root.glob("lib/python*/site-packages")]
+    for dist in importlib.metadata.distributions(path=purelib):
+        wanted += [(f"{dist.metadata['Name']} {dist.version}", r) for r in dist.requires or []]
+    for who, text in wanted:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue  # an option line of the job's (the operator allowed it); not a requirement
+        have = provided.get(canonicalize_name(req.name))
+        if have is None or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        try:
+            met = req.specifier.contains(Version(have), prereleases=True)
+        except InvalidVersion:
+            met = True  # a version PEP 440 cannot order: nothing to compare it with
+        if not met:
+            return (
+                f"{who} need {req}, but the worker provides {req.name} {have}, which a job's "
+                "environment cannot replace (it is part of the worker's own stack)"
+            )
+    return None
+
+
 def _make_venv(root: Path) -> None:
     """An empty venv at `root` with the worker's interpreter, its site-packages layered over the worker's."""
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    uv = uv_binary()
     if uv is not None:
         argv = [uv, "venv", "--quiet", "--allow-existing", "--python", sys.executable, str(root)]
     else:
@@ -220,10 +280,14 @@ def shadowing(root: Path) -> str | None:
     return None
 
 
-def _pip_error(output: list[str], rc: int) -> JobError:
-    """The job's error for a failed pip: its ERROR lines (the resolver's message), its tail as traceback."""
+def _install_error(output: list[str], rc: int) -> JobError:
+    """The job's error for a failed install: the resolver's own words (uv's, or pip's ERROR lines)."""
     said = [line for line in output if line.startswith("ERROR:")]
-    message = "\n".join(said[:MESSAGE_LINES]) or f"pip exited with code {rc}"
+    if not said:
+        # uv: `error: ...` or `  × No solution found ...` then its explanation, indented.
+        start = next((i for i, line in enumerate(output) if line.lstrip().startswith(("error:", "×"))), None)
+        said = [line.strip() for line in output[start:] if line.strip()] if start is not None else []
+    message = "\n".join(said[:MESSAGE_LINES]) or f"the installer exited with code {rc}"
     tail = "\n".join(output[-TRACEBACK_LINES:]) or None
     return JobError(
         type=ERROR_TYPE, message=f"installing the job's requirements failed: {message}", traceback=tail

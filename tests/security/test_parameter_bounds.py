@@ -38,7 +38,8 @@ def _integer_parameters(api: TestClient) -> list[tuple[str, str, str, str, dict[
 
 
 def _url(template: str, job_id: str, **path: Any) -> str:
-    return template.format(**{"job_id": job_id, "checkpoint_id": 1, "name": "admin", "webhook_id": "w", **path})
+    ids = {"job_id": job_id, "checkpoint_id": 1, "name": "admin", "webhook_id": "w"}
+    return template.format(**{**ids, **path})
 
 
 def _job(api: TestClient) -> str:
