@@ -236,7 +236,8 @@ def render_markdown(results: Mapping[str, Result], *, intro: str = "") -> str:
             "| key | compared | median | min | max | unit | bar | met |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        machines = []
+        # Each machine with when it measured: one section can mix runs (`--only` reruns one benchmark).
+        machines: list[tuple[str, str]] = []
         for key, r in items:
             figure = r.get("ratio", r.get("value"))
             bar = f"{r['bar_is']} {_fmt(r['bar'])}" if r.get("bar") is not None else "-"
@@ -245,12 +246,12 @@ def render_markdown(results: Mapping[str, Result], *, intro: str = "") -> str:
                 f"| `{key}` | {r.get('compared', '')} | {_fmt(figure)} | {_fmt(r.get('min'))} "
                 f"| {_fmt(r.get('max'))} | {r.get('unit', '')} | {bar} | {met} |"
             )
-            line = machine_line(r.get("machine", {}))
-            if line not in machines:
-                machines.append(line)
+            measured = (machine_line(r.get("machine", {})), str(r.get("measured_at", "?")))
+            if measured not in machines:
+                machines.append(measured)
         lines.append("")
-        for m in machines:
-            lines.append(f"Machine: {m}; measured {items[0][1].get('measured_at', '?')}.")
+        for m, at in machines:
+            lines.append(f"Machine: {m}; measured {at}.")
         notes = [n for _, r in items for n in r.get("notes", [])]
         if any(r.get("smoke") for _, r in items):
             notes.insert(0, "SMOKE RUN: tiny sizes, the figures mean nothing.")
