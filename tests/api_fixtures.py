@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from api_schemas import Job, JobSpec, JobStatus, Progress
 from service.app import create_app
 from service.config import Settings
 from service.dispatch import NodeStart
@@ -137,3 +139,26 @@ def register_node(
             slots=slots,
             now=utcnow(),
         )
+
+
+def queued_job_json(
+    job_id: str, spec: dict[str, Any] | None = None, *, owner: str = "admin"
+) -> dict[str, Any]:
+    """A queued job of `spec` (default: the smallest job) as the API answers it, for a client under test."""
+    now = datetime.now(UTC)
+    spec = spec if spec is not None else job_spec()
+    job = Job(
+        id=job_id,
+        name=spec["name"],
+        status=JobStatus.QUEUED,
+        spec=JobSpec.model_validate(spec),
+        owner=owner,
+        created_at=now,
+        updated_at=now,
+        started_at=None,
+        finished_at=None,
+        progress=Progress(step=0, total_steps=4),
+        attempt=0,
+        error=None,
+    )
+    return job.model_dump(mode="json")

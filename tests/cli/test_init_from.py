@@ -4,37 +4,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from api_schemas import Job, JobSpec, Progress
+from tests.api_fixtures import queued_job_json
 from tests.cli.conftest import dptrain, flat, use_http
 from tests.conftest import job_spec
 
 SOURCE = "a" * 32
-
-
-def _job(spec: dict[str, Any], job_id: str = "b" * 32) -> dict[str, Any]:
-    now = datetime(2026, 11, 26, tzinfo=UTC)
-    job = Job(
-        id=job_id,
-        name=spec["name"],
-        status="queued",  # type: ignore[arg-type]
-        spec=JobSpec.model_validate(spec),
-        owner="me",
-        created_at=now,
-        updated_at=now,
-        started_at=None,
-        finished_at=None,
-        progress=Progress(step=0, total_steps=4),
-        attempt=0,
-        error=None,
-    )
-    return job.model_dump(mode="json")
 
 
 @pytest.fixture
@@ -44,9 +24,11 @@ def posted(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def server(request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
-            return httpx.Response(200, json=_job(job_spec(name="run-1", labels={"team": "a"}), SOURCE))
+            return httpx.Response(
+                200, json=queued_job_json(SOURCE, job_spec(name="run-1", labels={"team": "a"}), owner="me")
+            )
         bodies.append(json.loads(request.content))
-        return httpx.Response(201, json=_job(bodies[-1]))
+        return httpx.Response(201, json=queued_job_json("b" * 32, bodies[-1], owner="me"))
 
     use_http(monkeypatch, httpx.Client(base_url="http://testserver", transport=httpx.MockTransport(server)))
     return bodies

@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
-from api_schemas import Job, JobSpec, JobStatus, Progress
+from api_schemas import JobSpec
 from dptrain.client import Client
+from tests.api_fixtures import queued_job_json
 from tests.conftest import job_spec
-
-
-def job_json(job_id: str) -> dict[str, object]:
-    """A queued job as the API answers it."""
-    now = datetime.now(UTC)
-    job = Job(
-        id=job_id,
-        name="x",
-        status=JobStatus.QUEUED,
-        spec=JobSpec.model_validate(job_spec()),
-        owner="admin",
-        created_at=now,
-        updated_at=now,
-        started_at=None,
-        finished_at=None,
-        progress=Progress(step=0, total_steps=4),
-        attempt=0,
-        error=None,
-    )
-    return job.model_dump(mode="json")
 
 
 def test_a_submit_whose_answer_was_lost_is_retried_with_the_same_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,7 +21,7 @@ def test_a_submit_whose_answer_was_lost_is_retried_with_the_same_key(monkeypatch
         keys.append(request.headers["Idempotency-Key"])
         if len(keys) == 1:  # accepted, but the answer never arrives
             raise httpx.ReadTimeout("lost", request=request)
-        return httpx.Response(200, json=job_json("job-1"))
+        return httpx.Response(200, json=queued_job_json("job-1"))
 
     client = Client("http://api", token="t")
     client.http = httpx.Client(base_url="http://api", transport=httpx.MockTransport(server))

@@ -5,14 +5,18 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobSpec, JobStatus
 from dptrain.workdir import pack
+from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
 from service.code.storage import archive_path
 from service.config import Settings
@@ -21,7 +25,7 @@ from service.jobs import lifecycle, service
 from service.models import Job, JobTransition
 from service.models.base import utcnow
 from service.scheduling import repository
-from tests.api_fixtures import ADMIN_TOKEN
+from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
 from workers.runner import run_node
 
 
@@ -48,6 +52,19 @@ def node_fixtures() -> tuple[Any, Any]:
         return session_factory(settings)
 
     return settings, sessions
+
+
+def admin_api_fixture() -> Any:
+    """A module-scoped `api`: the API on the node's database, as the admin (`api = admin_api_fixture()`)."""
+
+    @pytest.fixture(scope="module", name="api")
+    def api(settings: Settings) -> Iterator[TestClient]:
+        admin = settings.model_copy(update={"bootstrap_token": SecretStr(ADMIN_TOKEN)})
+        app = create_app(admin, scheduler=RecordingScheduler())
+        with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as client:
+            yield client
+
+    return api
 
 
 def store_code(settings: Settings, tree: Path, work: Path) -> str:

@@ -9,24 +9,22 @@ from __future__ import annotations
 import hashlib
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import SecretStr
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.jobs import repository, service
 from service.models import LogLine, Metric
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
+from tests.api_fixtures import ADMIN_TOKEN
 from tests.workers.runs import (
+    admin_api_fixture,
     job_row,
     node_fixtures,
     run_attempt,
@@ -49,13 +47,7 @@ def code_sha(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> st
     return store_code(settings, SCRIPT_TREE, tmp_path_factory.mktemp("pack"))
 
 
-@pytest.fixture(scope="module")
-def api(settings: Settings) -> Iterator[TestClient]:
-    """The API on the node's database, as the admin (to download what the runner recorded)."""
-    admin = settings.model_copy(update={"bootstrap_token": SecretStr(ADMIN_TOKEN)})
-    app = create_app(admin, scheduler=RecordingScheduler())
-    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as client:
-        yield client
+api = admin_api_fixture()
 
 
 def _submit(sessions: sessionmaker[Session], code_sha: str, *args: str, **over: Any) -> str:

@@ -6,22 +6,18 @@ back as the API, the CLI's JUnit report and the dashboard read it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import SecretStr
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
 from dptrain_cli.junit import junit_report
-from service.app import create_app
 from service.config import Settings
 from service.models import LogLine
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from tests.workers.runs import node_fixtures, run_attempt, store_code, submit_as_admin
+from tests.workers.runs import admin_api_fixture, node_fixtures, run_attempt, store_code, submit_as_admin
 
 pytestmark = pytest.mark.e2e
 
@@ -29,14 +25,7 @@ settings, sessions = node_fixtures()
 SCRIPT_TREE = Path(__file__).resolve().parents[1] / "fixtures" / "no_sdk_script"
 
 
-@pytest.fixture(scope="module")
-def api(settings: Settings) -> Iterator[TestClient]:
-    """The API on the node's database, as the admin."""
-    admin = settings.model_copy(update={"bootstrap_token": SecretStr(ADMIN_TOKEN)})
-    with TestClient(
-        create_app(admin, scheduler=RecordingScheduler()), headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    ) as client:
-        yield client
+api = admin_api_fixture()
 
 
 def test_a_script_without_the_sdk_succeeds_at_step_0_with_no_total_and_no_recipe_defaults(

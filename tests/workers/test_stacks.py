@@ -9,20 +9,17 @@ timeline and its error message.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import SecretStr
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStacks, JobStatus
-from service.app import create_app
 from service.config import Settings
 from service.models import LogLine, RankStacks
-from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
 from tests.workers.runs import (
+    admin_api_fixture,
     job_row,
     node_fixtures,
     run_attempt,
@@ -67,13 +64,7 @@ def _line(marker: str) -> int:
     return next(i for i, text in enumerate(SCRIPT.splitlines(), 1) if marker in text)
 
 
-@pytest.fixture(scope="module")
-def api(settings: Settings) -> Iterator[TestClient]:
-    """The API on the node's database, as the admin."""
-    admin = settings.model_copy(update={"bootstrap_token": SecretStr(ADMIN_TOKEN)})
-    app = create_app(admin, scheduler=RecordingScheduler())
-    with TestClient(app, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as client:
-        yield client
+api = admin_api_fixture()
 
 
 def _logs(sessions: sessionmaker[Session], job_id: str) -> list[LogLine]:
