@@ -94,9 +94,8 @@ def test_a_sweep_starts_its_trials_as_labelled_jobs_and_names_the_best(
     assert shown["best"]["number"] == 1 and shown["best"]["objective"] == min(objectives)
     # A decided sweep starts nothing more.
     driver.run_once(sessions=sessions, settings=settings)
-    assert (
-        db.scalar(select(func.count()).select_from(Job).where(Job.labels["sweep"].as_string() == sweep["id"])) == 4
-    )
+    labelled = select(func.count()).select_from(Job).where(Job.labels["sweep"].as_string() == sweep["id"])
+    assert db.scalar(labelled) == 4
 
 
 def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones(
@@ -178,3 +177,34 @@ def test_sweeps_are_listed_in_cursor_pages(client: TestClient) -> None:
     rest = client.get("/v1/sweeps", params={"limit": 2, "cursor": page["next_cursor"]}).json()
     assert [s["id"] for s in rest["items"]] == ids[:1] and rest["next_cursor"] is None
     assert client.get("/v1/sweeps", params={"cursor": "nope"}).status_code == 422
+
+
+def test_a_round_that_dies_mid_trial_leaves_nothing_and_the_next_asks_the_same(
+    client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session, monkeypatch: Any
+) -> None:
+    """A restart loses no trial and repeats none: row and job commit together, the sample is seeded."""
+    sweep = create(client, max_concurrent_trials=1)
+    twin = create(client, name="twin", max_concurrent_trials=1)
+    real = driver.repository.add_trial
+
+    def crash(session: Session, *, trial: SweepTrial) -> None:
+        raise RuntimeError("the API process died here")
+
+    monkeypatch.setattr(driver.repository, "add_trial", crash)
+    driver.run_once(sessions=sessions, settings=settings)  # logged, rolled back, sweeps still running
+    assert trials(db, sweep["id"]) == [] and db.scalar(select(func.count()).select_from(Job)) == 0
+    monkeypatch.setattr(driver.repository, "add_trial", real)
+    for _ in range(3):  # a round per restart: still one trial each, one job each
+        driver.run_once(sessions=sessions, settings=settings)
+    (mine,), (theirs,) = trials(db, sweep["id"]), trials(db, twin["id"])
+    assert mine.params == theirs.params  # the same seed and number ask for the same point
+    assert db.scalar(select(func.count()).select_from(Job)) == 2
+
+
+def test_the_embedded_services_sqlite_takes_a_sweep(sqlite_client: TestClient) -> None:
+    sweep = create(sqlite_client, sampler="tpe", pruner={"type": "asha"})
+    assert sqlite_client.get(f"/v1/sweeps/{sweep['id']}").json()["spec"]["sampler"] == "tpe"
+    r = sqlite_client.post(
+        "/v1/sweeps", json=sweep_body(space={"hyperparameters.global_batch_size": {"choice": [3]}})
+    )
+    assert r.status_code == 422
