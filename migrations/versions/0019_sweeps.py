@@ -20,6 +20,10 @@ JSON = sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgres
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.add_column(
+            sa.Column("prune_requested", sa.Boolean(), server_default=sa.false(), nullable=False)
+        )
     op.create_table(
         "sweeps",
         sa.Column("id", sa.String(length=32), nullable=False),
@@ -61,3 +65,5 @@ def downgrade() -> None:
         batch_op.drop_index("ix_sweeps_state")
         batch_op.drop_index("ix_sweeps_owner_created")
     op.drop_table("sweeps")
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_column("prune_requested")

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobSpec, JobStatus
 from service.config import Settings
 from service.errors import ServiceError
+from service.jobs import repository as job_repository
 from service.jobs import service as jobs
 from service.models import Job, SweepTrial, User
 from service.models import Sweep as SweepRow
@@ -97,7 +98,8 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> None:
             live = bool(steps) and job.status == JobStatus.RUNNING.value and not job.cancel_requested
             if live and pruner.prune(study, _frozen(trial, dists=dists, steps=steps)):
                 trial.state = "pruned"
-                jobs.cancel(session, user=owner, job_id=job.id)
+                # The job cancel path, flagged so that its run ends `pruned`.
+                job_repository.request_cancel(session, job_id=job.id, prune=True)
     # A pruned trial's ranks hold their slot until its cancel has stopped them.
     active = sum(
         1

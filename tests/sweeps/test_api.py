@@ -117,10 +117,16 @@ def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones(
     shown = client.get(f"/v1/sweeps/{sweep['id']}").json()
     assert shown["trials"][2]["status"] == "pruned" and shown["state"] == "running"  # its ranks not yet gone
     with sessions.begin() as session:
-        lifecycle.transition(session, job_id=job.id, src=JobStatus.RUNNING, dst=JobStatus.CANCELLED)
+        # How its worker ends the stopped run (workers/attempts.py): pruned, not cancelled.
+        dst, reason = lifecycle.end_of_cancelled_run(
+            finished=False, pruned=lifecycle.prune_requested(session, job_id=job.id)
+        )
+        assert dst is JobStatus.PRUNED and dst.is_terminal()
+        lifecycle.transition(session, job_id=job.id, src=JobStatus.RUNNING, dst=dst, reason=reason)
     driver.run_once(sessions=sessions, settings=settings)
     shown = client.get(f"/v1/sweeps/{sweep['id']}").json()
     assert shown["state"] == "succeeded" and shown["best"]["number"] == 1
+    assert client.get(f"/v1/jobs/{job.id}").json()["status"] == "pruned"
 
 
 def test_a_space_point_that_makes_an_invalid_spec_is_422_naming_its_path(client: TestClient) -> None:
