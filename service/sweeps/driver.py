@@ -56,7 +56,27 @@ def _pruner(spec: dict[str, Any]) -> optuna.pruners.BasePruner | None:
     return None
 
 
-def _frozen(trial: SweepTrial, *, dists: dict[str, Any], steps: list[tuple[int, float]]) -> FrozenTrial:
+def _rungs(spec: dict[str, Any], steps: list[tuple[int, float]]) -> dict[str, Any]:
+    """ASHA's record of the rungs a trial reached: its value at the first step at or past each rung's."""
+    options = spec.get("pruner") or {}
+    if options.get("type") != "asha" or not steps:
+        return {}
+    # What SuccessiveHalvingPruner keeps in a stored trial's system attributes, rebuilt from the metrics.
+    attrs: dict[str, Any] = {}
+    rung, last = 0, steps[-1][0]
+    while (at := options.get("min_resource", 1) * options.get("reduction_factor", 3) ** rung) <= last:
+        attrs[f"completed_rung_{rung}"] = next(value for step, value in steps if step >= at)
+        rung += 1
+    return attrs
+
+
+def _frozen(
+    trial: SweepTrial,
+    *,
+    dists: dict[str, Any],
+    steps: list[tuple[int, float]],
+    attrs: dict[str, Any] | None = None,
+) -> FrozenTrial:
     state = {"complete": TrialState.COMPLETE, "pruned": TrialState.PRUNED, "failed": TrialState.FAIL}
     frozen = create_trial(
         state=state.get(trial.state, TrialState.RUNNING),
@@ -64,6 +84,7 @@ def _frozen(trial: SweepTrial, *, dists: dict[str, Any], steps: list[tuple[int, 
         params=trial.params,
         distributions=dists,
         intermediate_values=dict(steps),
+        system_attrs=attrs,
     )
     frozen.number = trial.number
     return frozen
@@ -91,12 +112,14 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> None:
             _end_if_done(trial, job, steps)
         if trial.state == "active" and job is not None:
             running.append((trial, job, steps))
-        frozen.append(_frozen(trial, dists=dists, steps=steps))
+        frozen.append(_frozen(trial, dists=dists, steps=steps, attrs=_rungs(spec, steps)))
     study.add_trials([f for f in frozen if f.state.is_finished()])
     if pruner is not None:
         for trial, job, steps in running:
             live = bool(steps) and job.status == JobStatus.RUNNING.value and not job.cancel_requested
-            if live and pruner.prune(study, _frozen(trial, dists=dists, steps=steps)):
+            if live and _prunes(
+                pruner, direction=direction, others=frozen, trial=trial, dists=dists, steps=steps
+            ):
                 trial.state = "pruned"
                 # The job cancel path, flagged so that its run ends `pruned`.
                 job_repository.request_cancel(session, job_id=job.id, prune=True)
@@ -122,6 +145,22 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> None:
         sweep.state = "succeeded" if any(t.state == "complete" for t, _ in rows) else "failed"
         sweep.finished_at = utcnow()
     session.flush()
+
+
+def _prunes(
+    pruner: optuna.pruners.BasePruner,
+    *,
+    direction: str,
+    others: list[FrozenTrial],
+    trial: SweepTrial,
+    dists: dict[str, Any],
+    steps: list[tuple[int, float]],
+) -> bool:
+    """Optuna's decision on one running trial, in a study of the others and of it (stored, no rungs yet)."""
+    study = optuna.create_study(direction=direction)
+    study.add_trials([f for f in others if f.number != trial.number])
+    study.add_trial(_frozen(trial, dists=dists, steps=steps))
+    return bool(pruner.prune(study, study.get_trials(deepcopy=False)[-1]))
 
 
 def _end_if_done(trial: SweepTrial, job: Job | None, steps: list[tuple[int, float]]) -> None:

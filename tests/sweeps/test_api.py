@@ -214,3 +214,22 @@ def test_the_embedded_services_sqlite_takes_a_sweep(sqlite_client: TestClient) -
         "/v1/sweeps", json=sweep_body(space={"hyperparameters.global_batch_size": {"choice": [3]}})
     )
     assert r.status_code == 422
+
+
+def test_asha_prunes_a_trial_behind_at_its_rung_and_promotes_one_ahead(
+    client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session
+) -> None:
+    asha = {"type": "asha", "min_resource": 1, "reduction_factor": 2}
+    sweep = create(client, pruner=asha, max_trials=4, max_concurrent_trials=2)
+    driver.run_once(sessions=sessions, settings=settings)
+    a, b = trials(db, sweep["id"])
+    finish(sessions, a.job_id or "", [1.0, 0.5])
+    finish(sessions, b.job_id or "", [1.2, 0.6])
+    driver.run_once(sessions=sessions, settings=settings)
+    c, d = trials(db, sweep["id"])[2:]
+    # At rung 0 (step 1) the top 1 of 3 go on: 5.0 is behind 1.0, 0.1 ahead (and short of rung 1).
+    finish(sessions, c.job_id or "", [5.0], end=False)
+    finish(sessions, d.job_id or "", [0.1], end=False)
+    driver.run_once(sessions=sessions, settings=settings)
+    c, d = trials(db, sweep["id"])[2:]
+    assert (c.state, d.state) == ("pruned", "active")
