@@ -107,7 +107,9 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> None:
     running: list[tuple[SweepTrial, Job, list[tuple[int, float]]]] = []
     frozen: list[FrozenTrial] = []
     for trial, job in rows:
-        steps = repository.series(session, job_id=job.id, name=metric) if job else []
+        # A finished trial's steps matter only to a pruner (its intermediate values).
+        wanted = job is not None and (trial.state == "active" or pruner is not None)
+        steps = repository.series(session, job_id=job.id, name=metric) if wanted and job else []
         if trial.state == "active":
             _end_if_done(trial, job, steps)
         if trial.state == "active" and job is not None:
