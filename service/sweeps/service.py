@@ -31,9 +31,9 @@ def _loc(error: Any) -> str:
     return ".".join(str(part) for part in error["loc"])
 
 
-def _check_point(row: SweepRow, params: dict[str, Any]) -> None:
+def _check_point(row: SweepRow, params: dict[str, Any]) -> JobSpec:
     try:
-        JobSpec.model_validate(trial_spec(row, number=0, params=params))
+        return JobSpec.model_validate(trial_spec(row, number=0, params=params))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = _loc(first)
@@ -65,11 +65,16 @@ def check(session: Session, *, user: User, body: SweepCreate, row: SweepRow, set
             None,
         )
     paths = list(body.space)
-    for combo in combos:
-        _check_point(row, dict(zip(paths, combo, strict=True)))
-    # The server's rules on code and data, which the space's numbers do not change.
+    # The server's rules on code, `env`, `environment` and data: on the base, and on every point
+    # when the space reaches past the hyperparameters (an `env.X` or `entrypoint` choice).
     policy.check_user_code(session, user=user, spec=base, settings=settings)
     policy.check_data_paths(spec=base, settings=settings)
+    beyond = any(not path.startswith("hyperparameters.") for path in paths)
+    for combo in combos:
+        spec = _check_point(row, dict(zip(paths, combo, strict=True)))
+        if beyond:
+            policy.check_user_code(session, user=user, spec=spec, settings=settings)
+            policy.check_data_paths(spec=spec, settings=settings)
 
 
 def create(session: Session, *, user: User, body: SweepCreate, settings: Settings) -> SweepRow:

@@ -155,6 +155,16 @@ def test_a_space_point_that_makes_an_invalid_spec_is_422_naming_its_path(client:
     assert client.get("/v1/sweeps").json() == {"items": [], "next_cursor": None}
 
 
+def test_a_space_cannot_give_trials_what_the_owner_may_not_submit(client: TestClient, db: Session) -> None:
+    """An `env` reached through the space needs the code grant, as on POST /v1/jobs."""
+    plain = as_user(add_user(db, "plain"))
+    r = client.post(
+        "/v1/sweeps", json=sweep_body(space={"env.WANDB_MODE": {"choice": ["offline"]}}), headers=plain
+    )
+    assert r.status_code == 403, r.text
+    assert client.get("/v1/sweeps", headers=plain).json()["items"] == []
+
+
 def test_another_users_sweep_is_404_and_cancel_stops_its_trials(
     client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session
 ) -> None:
