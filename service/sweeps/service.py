@@ -16,6 +16,7 @@ from service.jobs import service as jobs
 from service.models import Sweep as SweepRow
 from service.models import User
 from service.models.base import utcnow
+from service.scheduling import queue
 from service.sweeps import repository, space
 
 
@@ -72,6 +73,8 @@ def check(session: Session, *, user: User, body: SweepCreate, row: SweepRow, set
     beyond = any(not path.startswith("hyperparameters.") for path in paths)
     for combo in combos:
         spec = _check_point(row, dict(zip(paths, combo, strict=True)))
+        # A trial's submit would refuse a priority above the owner's ceiling; say so now.
+        queue.check_priority(user=user, spec=spec)
         if beyond:
             policy.check_user_code(session, user=user, spec=spec, settings=settings)
             policy.check_data_paths(spec=spec, settings=settings)
