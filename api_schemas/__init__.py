@@ -30,6 +30,7 @@ from api_schemas.jobs import (
 )
 from api_schemas.recipes import EVAL_METRICS, RECIPES
 from api_schemas.stacks import JobStacks, ProcessStack, StackDump, StackFrame, StackReason, ThreadStack
+from api_schemas.sweeps import Objective, Pruner, Sweep, SweepBest, SweepCreate, SweepList, SweepTrial
 from api_schemas.training import EVAL_METRIC_PATTERN, EvaluationSpec, KeepBest
 from api_schemas.users import IssuedToken, UserCreate, UserInfo
 from api_schemas.webhooks import (
@@ -82,6 +83,13 @@ __all__ = [
     "Transition",
     "UserCreate",
     "UserInfo",
+    "Objective",
+    "Pruner",
+    "Sweep",
+    "SweepBest",
+    "SweepCreate",
+    "SweepList",
+    "SweepTrial",
     "WebhookCreate",
     "WebhookCreated",
     "WebhookDelivery",

@@ -61,17 +61,19 @@ Entrypoint = Annotated[
 
 
 class JobStatus(str, enum.Enum):
-    """Lifecycle of a job; `queued -> running -> succeeded|failed|cancelled`."""
+    """Lifecycle of a job; `queued -> running -> succeeded|failed|cancelled|pruned`."""
 
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    # A sweep's trial its pruner stopped (through the cancel path): cancelled for a reason of its own.
+    PRUNED = "pruned"
 
     def is_terminal(self) -> bool:
         """True once the job can never change state again."""
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PRUNED)
 
 
 class Hyperparameters(Strict):

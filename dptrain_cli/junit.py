@@ -72,5 +72,9 @@ def junit_report(job: dict[str, Any], *, elapsed: float, timed_out: bool) -> byt
     elif status is JobStatus.CANCELLED:
         message = f"cancelled at step {(job.get('progress') or {}).get('step', 0)}"
         ET.SubElement(case, "failure", type="Cancelled", message=message).text = message
+    elif status is JobStatus.PRUNED:
+        # Its sweep's pruner stopped it: an outcome of the search, not a failure of the job.
+        message = f"pruned by its sweep at step {(job.get('progress') or {}).get('step', 0)}"
+        ET.SubElement(case, "skipped", message=message)
     ET.SubElement(case, "system-out").text = _clean(_summary(job))
     return bytes(ET.tostring(suite, encoding="utf-8", xml_declaration=True))

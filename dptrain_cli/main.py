@@ -50,9 +50,13 @@ app.add_typer(webhooks_app, name="webhooks")
 
 
 def _exit_for(job: Job) -> int:
-    return {JobStatus.SUCCEEDED: EXIT_SUCCEEDED, JobStatus.CANCELLED: EXIT_CANCELLED}.get(
-        job.status, EXIT_FAILED
-    )
+    # A pruned trial was stopped on purpose, as a cancelled job is.
+    ends = {
+        JobStatus.SUCCEEDED: EXIT_SUCCEEDED,
+        JobStatus.CANCELLED: EXIT_CANCELLED,
+        JobStatus.PRUNED: EXIT_CANCELLED,
+    }
+    return ends.get(job.status, EXIT_FAILED)
 
 
 def _report_end(job: Job) -> None:

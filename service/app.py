@@ -31,6 +31,7 @@ from service.nodes.router import router as nodes_router
 from service.ops.metrics import DatabaseCollector, RequestLatency, request_histogram
 from service.ops.router import router as ops_router
 from service.scheduling.scheduler import Kicker, Scheduler
+from service.sweeps.router import router as sweeps_router
 from service.users.router import router as users_router
 from service.webhooks.router import router as webhooks_router
 
@@ -116,6 +117,7 @@ def create_app(
     app.include_router(ops_router)
     app.include_router(code_router)
     app.include_router(webhooks_router)
+    app.include_router(sweeps_router)
     install_dashboard(app)
 
     @app.get("/healthz", tags=["ops"])

@@ -234,7 +234,9 @@ def record_outcome(
         # The engine finished before the stop (which may then have signalled ranks on their way out),
         # or the ranks exited 0 on their own: the work was done first.
         finished = reporter.state.finished or (stopped_for is None and rc == 0 and done)
-        dst, reason = lifecycle.end_of_cancelled_run(finished=finished)
+        with sessions() as session:
+            pruned = lifecycle.prune_requested(session, job_id=job_id)
+        dst, reason = lifecycle.end_of_cancelled_run(finished=finished, pruned=pruned)
         finish(sessions, job_id=job_id, token=token, dst=dst, reason=reason)
         return dst
     if stopped_for == "deadline" and reporter.state.finished:

@@ -296,7 +296,9 @@ def _stopped_while_preparing(
     if reporter.state.fenced_out:
         return JobStatus.RUNNING
     if reporter.state.cancel_requested:
-        dst, reason = lifecycle.end_of_cancelled_run(finished=False)
+        with sessions() as session:
+            pruned = lifecycle.prune_requested(session, job_id=att.job_id)
+        dst, reason = lifecycle.end_of_cancelled_run(finished=False, pruned=pruned)
         finish(sessions, job_id=att.job_id, token=att.token, dst=dst, reason=reason)
         return dst
     message = "its worker was stopped while it prepared the job's environment"

@@ -20,11 +20,12 @@ from service.webhooks import outbox
 ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.FAILED}),
     JobStatus.RUNNING: frozenset(
-        {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.QUEUED}
+        {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PRUNED, JobStatus.QUEUED}
     ),
     JobStatus.SUCCEEDED: frozenset(),
     JobStatus.FAILED: frozenset(),
     JobStatus.CANCELLED: frozenset(),
+    JobStatus.PRUNED: frozenset(),
 }
 
 
@@ -105,15 +106,25 @@ def note_running(session: Session, *, job_id: str, attempt: int, note: str) -> N
     session.execute(update(JobTransition).where(JobTransition.id == started).values(reason=reason))
 
 
-def end_of_cancelled_run(*, finished: bool) -> tuple[JobStatus, str]:
-    """How a running job whose cancel was requested ends: `succeeded` if its work finished first."""
+def end_of_cancelled_run(*, finished: bool, pruned: bool = False) -> tuple[JobStatus, str]:
+    """How a running job whose cancel was requested ends: `succeeded` if its work finished first.
+
+    `pruned`: the cancel was its sweep's pruner's (`jobs.prune_requested`), which ends it `pruned`.
+    """
     # `finished`: every step ran and the final checkpoint is written (the engine's finished event
     # follows both), or a command exited 0 before it was stopped. A cancel that comes after that has
     # nothing left to stop; recording `cancelled` would hide a complete model behind a word that
     # says there is none. `cancel_requested` stays true on such a job: the timeline says why.
     if finished:
         return JobStatus.SUCCEEDED, "finished before the cancel took effect"
+    if pruned:
+        return JobStatus.PRUNED, "pruned by its sweep"
     return JobStatus.CANCELLED, "cancel requested"
+
+
+def prune_requested(session: Session, *, job_id: str) -> bool:
+    """Whether the job's cancel is its sweep's pruner's."""
+    return bool(session.scalar(select(Job.prune_requested).where(Job.id == job_id)))
 
 
 def record_created(session: Session, *, job: Job) -> None:

@@ -140,9 +140,10 @@ def list_page(
     return list(session.execute(stmt).scalars().all())
 
 
-def request_cancel(session: Session, *, job_id: str) -> None:
-    """Flag a running job for its worker to stop (a request, not a state change)."""
-    session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+def request_cancel(session: Session, *, job_id: str, prune: bool = False) -> None:
+    """Flag a running job for its worker to stop (a request, not a state change); `prune`: ends `pruned`."""
+    values = {"cancel_requested": True} | ({"prune_requested": True} if prune else {})
+    session.execute(update(Job).where(Job.id == job_id).values(**values))
 
 
 def checkpoints_after(session: Session, *, job_id: str, after_id: int) -> Sequence[Checkpoint]:

@@ -12,6 +12,7 @@ from service.models.jobs import (
     MetricRollup,
 )
 from service.models.stacks import RankStacks, StackRequest
+from service.models.sweeps import Sweep, SweepTrial
 from service.models.users import ApiToken, User
 from service.models.webhooks import Webhook, WebhookDelivery
 from service.models.workers import JobNode, Worker
@@ -31,6 +32,8 @@ __all__ = [
     "MetricRollup",
     "RankStacks",
     "StackRequest",
+    "Sweep",
+    "SweepTrial",
     "User",
     "Webhook",
     "WebhookDelivery",

@@ -14,6 +14,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
@@ -90,6 +91,8 @@ class Job(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(default=None)
     latest_metrics: Mapped[dict[str, Any]]
     cancel_requested: Mapped[bool] = mapped_column(default=False)
+    # Set with cancel_requested by a sweep's pruner: the stopped run ends `pruned`, not `cancelled`.
+    prune_requested: Mapped[bool] = mapped_column(default=False, server_default=false())
     # Fencing token of the current attempt: every write a worker makes carries it, so a stale
     # worker (a duplicate delivery, a lost lease) can never overwrite a newer attempt's state.
     claim_token: Mapped[str | None] = mapped_column(String(32), default=None)

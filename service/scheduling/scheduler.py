@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.config import Settings
 from service.dispatch import Dispatcher
 from service.scheduling.service import schedule_once
+from service.sweeps import driver as sweeps
 
 log = logging.getLogger(__name__)
 
@@ -62,5 +63,9 @@ class Scheduler(threading.Thread):
             last = time.monotonic()
             try:
                 schedule_once(sessions=self.sessions, dispatcher=self.dispatcher, settings=self.settings)
+                # Sweeps start their next trials (and prune, and end) on the same beat; the trials
+                # they submit are placed by the next round, kicked at once.
+                if sweeps.run_once(sessions=self.sessions, settings=self.settings):
+                    self.kicked.set()
             except Exception:  # noqa: BLE001 - e.g. the database restarting: the next round tries again
                 log.warning("placement round failed", exc_info=True)

@@ -3,8 +3,8 @@
 "use strict";
 
 const TOKEN_KEY = "dptrain.token";
-const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
-const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
+const TERMINAL = new Set(["succeeded", "failed", "cancelled", "pruned"]);
+const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled", "pruned"];
 const LIST_POLL_MS = 2000;
 const DETAIL_POLL_MS = 2000;
 const WORKERS_POLL_MS = 5000;

@@ -1,0 +1,1 @@
+"""Hyperparameter sweeps: trials as ordinary jobs, sampled and pruned by Optuna."""
