@@ -174,6 +174,9 @@ def test_a_sweep_page_ranks_trials_charts_them_and_links_the_best(browser: Brows
     REPORTS.mkdir(exist_ok=True)
     page.screenshot(path=str(REPORTS / "dashboard-sweep.png"), full_page=True)
 
+    # Every trial is a job labelled sweep=<id>: the job list's own label filter lists them.
+    assert page.locator("#sweep-jobs").get_attribute("href") == f"#/?label=sweep%3D{SWEEP_ID}"
+
     # The link opens the compare view that exists, with the ids it was given.
     page.locator("#sweep-compare").click()
     expect(page.locator("#compare-jobs")).to_be_attached()

@@ -74,7 +74,9 @@
     const trialsBody = el("tbody", { id: "sweep-trials" });
     const objectiveBody = el("div", { class: "chart", "data-chart": "sweep-objective" });
     const scatterGrid = el("div", { class: "grid", id: "sweep-scatter" });
-    view.append(el("section", { class: "card" }, heading, problem, summary, el("p", {}, compareLink)));
+    // Trials are jobs labelled sweep=<id>: the job list's label filter shows them all, with their actions.
+    const jobsLink = el("a", { id: "sweep-jobs", href: `#/?label=${encodeURIComponent(`sweep=${sweepId}`)}`, text: "Its trials in the job list" });
+    view.append(el("section", { class: "card" }, heading, problem, summary, el("p", { class: "toolbar" }, compareLink, jobsLink)));
     const trialsCard = el("section", { class: "card", hidden: true },
       el("h2", { text: "Trials" }), el("table", { id: "sweep-trials-table" }, el("thead", {}, trialsHead), trialsBody));
     const objectiveCard = el("section", { class: "card", hidden: true }, el("h2", { id: "sweep-objective-title", text: "Objective" }), objectiveBody);
