@@ -120,7 +120,7 @@ def status(sweep_id: str, output: Output = OUTPUT) -> None:
 
 
 @app.command("list")
-def list_sweeps(limit: int = typer.Option(50, min=1, max=1000), output: Output = OUTPUT) -> None:
+def list_sweeps(limit: int = typer.Option(50, min=1, max=200), output: Output = OUTPUT) -> None:
     """Your newest sweeps."""
     if (page := fetch(output, lambda c: c.sweeps(limit=limit))) is None:
         return
