@@ -32,6 +32,7 @@ from bench.start_latency import SPEC, job_start
 
 BAR = 1.1
 SWEEP_TERMINAL = {"succeeded", "cancelled", "failed"}
+TRIAL_TERMINAL = {"succeeded", "cancelled", "failed", "pruned"}
 LR = 0.05  # bench.start_latency's SPEC's: the one value of the space, so the trial is that job
 SWEEP: dict[str, Any] = {
     "name": "bench-sweep",
@@ -71,6 +72,12 @@ def sweep_trial_start(
             if m.status_code == 200 and any(m.json()["series"].values()):
                 latency = time.perf_counter() - start
                 break
+            # A trial that ended before its first step would otherwise be waited on to the timeout.
+            job = _ok(http.get(f"/v1/jobs/{job_id}"), "GET trial job")
+            if job["status"] in TRIAL_TERMINAL:
+                raise RuntimeError(
+                    f"sweep {sweep_id}: trial job {job_id} ended {job['status']}: {job.get('error')}"
+                )
         time.sleep(poll_s)
     if latency is None:
         raise RuntimeError(

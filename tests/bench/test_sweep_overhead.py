@@ -30,6 +30,8 @@ def _server(final: str) -> httpx.Client:
             return httpx.Response(
                 200, json={"id": "sw1", "state": final if gets["sweep"] > 3 else "running", "trials": trials}
             )
+        if path == "/v1/jobs/j1":
+            return httpx.Response(200, json={"id": "j1", "status": "running", "error": None})
         if path == "/v1/jobs/j1/metrics":
             gets["metrics"] += 1
             return httpx.Response(
