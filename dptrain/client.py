@@ -52,6 +52,7 @@ from dptrain.errors import DataLeftOut, Unplaceable, WaitTimeout, api_error
 from dptrain.left_out import data_warning
 from dptrain.settings import ClientSettings
 from dptrain.specfile import load_spec
+from dptrain.sweeps import SweepRoutes
 from dptrain.transfer import download_verified, raise_for_status, retry_after_seconds
 
 __all__ = ["Client", "CodeTooLarge", "CodeUpload"]
@@ -63,7 +64,7 @@ RETRY_STATUS = (429, 503)
 MAX_BACKOFF_S = 10.0
 
 
-class Client(CodeRoutes):
+class Client(CodeRoutes, SweepRoutes):
     """A connection to one dptrain API as one user."""
 
     def __init__(

@@ -39,6 +39,7 @@ from dptrain_cli.junit import junit_report
 from dptrain_cli.lazy import WithServerCommands
 from dptrain_cli.output import Output, emit_json, inert, out, say, step_text
 from dptrain_cli.stacks import show_stacks
+from dptrain_cli.sweeps import app as sweeps_app
 from dptrain_cli.upload import ship_code
 from dptrain_cli.webhooks import app as webhooks_app
 
@@ -47,6 +48,7 @@ app = typer.Typer(
 )
 
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(sweeps_app, name="sweep")
 
 
 def _exit_for(job: Job) -> int:

@@ -203,6 +203,8 @@ function route() {
     a.classList.toggle("active", (a.dataset.nav === "workers") === hash.startsWith("/workers") && !jobMatch);
   }
   if (jobMatch) return window.dptrainViews.jobDetail(view, jobMatch[1]);
+  const sweepMatch = hash.match(/^\/sweeps\/([A-Za-z0-9_-]+)$/);
+  if (sweepMatch) return window.dptrainViews.sweep(view, sweepMatch[1]);
   if (/^\/compare(\?|$)/.test(hash)) return window.dptrainViews.compare(view, new URLSearchParams(hash.split("?")[1] || ""));
   if (hash.startsWith("/workers")) return window.dptrainViews.workers(view);
   return window.dptrainViews.jobList(view, new URLSearchParams(hash.split("?")[1] || ""));
