@@ -36,6 +36,8 @@ BENCHMARKS = [
     "placement",
     # Issue 33: a job's cached environment against none (needs the per-job environments).
     "env_start",
+    # Issue 34: a sweep trial's start against a plain job's.
+    "sweep_overhead",
 ]
 FINDINGS = ROOT / "bench" / "findings.md"
 INTRO = (

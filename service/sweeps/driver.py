@@ -159,7 +159,7 @@ def _prunes(
     steps: list[tuple[int, float]],
 ) -> bool:
     """Optuna's decision on one running trial, in a study of the others and of it (stored, no rungs yet)."""
-    study = optuna.create_study(direction=direction)
+    study = optuna.create_study(direction=optuna.study.StudyDirection[direction.upper()])
     study.add_trials([f for f in others if f.number != trial.number])
     study.add_trial(_frozen(trial, dists=dists, steps=steps))
     return bool(pruner.prune(study, study.get_trials(deepcopy=False)[-1]))

@@ -8,7 +8,7 @@ from fastapi import Path, Query, status
 from fastapi.exceptions import RequestValidationError
 
 from api_schemas import Sweep, SweepCreate, SweepList
-from service.deps import CurrentUser, SessionDep, SettingsDep
+from service.deps import CurrentUser, SchedulerDep, SessionDep, SettingsDep, after_commit
 from service.errors import Forbidden, NotFound, error_responses, invalid_field
 from service.params import Text
 from service.routing import v1_router
@@ -21,9 +21,13 @@ SweepId = Annotated[Text, Path(max_length=32, description="The sweep's id.")]
 @router.post(
     "", status_code=status.HTTP_201_CREATED, response_model=Sweep, responses=error_responses(Forbidden)
 )
-def create_sweep(body: SweepCreate, session: SessionDep, user: CurrentUser, settings: SettingsDep) -> Sweep:
+def create_sweep(
+    body: SweepCreate, session: SessionDep, user: CurrentUser, settings: SettingsDep, scheduler: SchedulerDep
+) -> Sweep:
     """Submit a sweep; every checked point of its space must make a valid job, else 422 naming the path."""
     sweep = service.create(session, user=user, body=body, settings=settings)
+    # The scheduler's round runs the sweep driver, which submits the first trials: now, not a beat later.
+    after_commit(session, scheduler.kick)
     return service.present(session, sweep=sweep, owner=user.name)
 
 
