@@ -32,16 +32,29 @@ app.conf.update(
 _threads: list[Any] = []
 
 
+def _ours(sender: Any) -> bool:
+    """Whether a worker signal is this app's: Celery's signals fire for every app's worker in the process.
+
+    The webhook sender (workers/webhooks.py) is another Celery app; where both are imported (a test
+    process, a tool), its worker must not start this node's heartbeat, placement and reconciler, nor
+    set the process's umask.
+    """
+    return getattr(sender, "app", None) is app
+
+
 @worker_init.connect
-def _private_files(**_: Any) -> None:
+def _private_files(sender: Any = None, **_: Any) -> None:
     """Run directories, checkpoints, logs and unpacked code are this worker's alone (umask 077)."""
     # At the worker's start, before any task: the runner's torchrun and every rank inherit it.
-    private_umask()
+    if _ours(sender):
+        private_umask()
 
 
 @worker_ready.connect
 def _start_background(sender: Any = None, **_: Any) -> None:
     """Heartbeat, placement and reconciler threads of this worker node."""
+    if not _ours(sender):
+        return
     from service.db import session_factory
     from service.dispatch import CeleryDispatcher
     from service.scheduling.scheduler import Scheduler
@@ -96,6 +109,8 @@ def _stop_runs(**_: Any) -> None:
     """Stop placing, and stop every run's ranks now: Celery's warm shutdown would wait for them."""
     from workers.watch import stopping
 
+    if not _threads:
+        return  # not this node's worker (its sender is only a host name): another app's shutdown
     # Placement first, so nothing is placed back on this node as its runs hand their attempts back.
     for thread in _threads[:-1]:
         _halt(thread)
@@ -103,7 +118,9 @@ def _stop_runs(**_: Any) -> None:
 
 
 @worker_shutdown.connect
-def _stop_background(**_: Any) -> None:
+def _stop_background(sender: Any = None, **_: Any) -> None:
+    if not _ours(sender):
+        return
     for thread in _threads:
         _halt(thread)
     for thread in _threads:

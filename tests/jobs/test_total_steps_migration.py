@@ -28,21 +28,31 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 def add_job(conn: sa.Connection, *, job_id: str, step: int, total: int | None) -> None:
-    """A job row of the first user, with only what 0012 and 0013 agree on set."""
+    """A job row of the first user, with only what 0012 and 0013 agree on set.
+
+    Only the columns the database has at its revision, each other one with the model's default:
+    columns of later migrations do not exist here.
+    """
     owner = conn.execute(sa.select(User.id)).scalar_one()
-    conn.execute(
-        sa.insert(Job.__table__).values(  # type: ignore[arg-type]
-            id=job_id,
-            name=job_id,
-            owner_id=owner,
-            status="running",
-            spec={"name": job_id},
-            labels={},
-            latest_metrics={},
-            step=step,
-            total_steps=total,
-        )
-    )
+    values: dict[str, object] = {
+        "id": job_id,
+        "name": job_id,
+        "owner_id": owner,
+        "status": "running",
+        "spec": {"name": job_id},
+        "labels": {},
+        "latest_metrics": {},
+        "step": step,
+        "total_steps": total,
+    }
+    present = {c["name"] for c in sa.inspect(conn).get_columns("jobs")}
+    for column in Job.__table__.columns:
+        default = column.default
+        if column.name in present and column.name not in values and isinstance(default, sa.ColumnDefault):
+            values[column.name] = default.arg(None) if default.is_callable else default.arg  # type: ignore[operator]
+    model = Job.__table__.c
+    table = sa.table("jobs", *(sa.column(name, model[name].type) for name in values))
+    conn.execute(sa.insert(table).values(values))
 
 
 def test_total_steps_becomes_optional_and_a_downgrade_gives_a_total_back(url: str) -> None:
