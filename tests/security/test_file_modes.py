@@ -10,6 +10,7 @@ import tarfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -17,7 +18,7 @@ from service.config import Settings
 from service.dispatch import celery_config
 from service.files import write_private
 from tests.backends import sqlite_app
-from workers.celery_app import _private_files
+from workers.celery_app import _private_files, app
 from workers.engine.checkpoint import CheckpointManager
 from workers.engine.main import redirect_output
 
@@ -90,7 +91,7 @@ class TestFileModes:
         before = os.umask(0o022)
         try:
             # The worker's own start (a Celery worker_init handler) sets the umask its ranks inherit.
-            _private_files()
+            _private_files(sender=SimpleNamespace(app=app))
             assert os.umask(0o077) == 0o077, "expected the worker's start to set umask 077"
             _write_everything(tmp_path / "home")
         finally:
