@@ -7,7 +7,10 @@ LoaderTimeout after data.loader_timeout_seconds. Never a wait for a batch that c
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,13 +24,20 @@ from api_schemas.data import DataSpec
 from tests.engine_fixtures import EngineRun, assert_no_process_left
 from tests.fixtures.loader_plan.loader_faults import Samples
 from workers.attempts import is_retryable
-from workers.engine.batch_loader import Batches, fixed_batch_sampler, loader_options, map_loader
+from workers.engine.batch_loader import (
+    Batches,
+    fixed_batch_sampler,
+    loader_options,
+    map_loader,
+    shutdown_workers,
+)
 from workers.engine.events import describe
 from workers.engine.loader_faults import (
     LoaderProcessDied,
     LoaderProcessError,
     LoaderTimeout,
     LoaderWatch,
+    end_processes,
     loader_failure,
 )
 
@@ -147,6 +157,19 @@ class TestInTheRank:
         assert isinstance(error, LoaderTimeout), repr(error)
         assert "in 2 s (data.loader_timeout_seconds), waiting for the batch of step 0" in str(error), error
         assert 2 <= took < PROMPT_S, took
+
+    def test_processes_ended_after_a_failure_are_no_error_when_they_die(self) -> None:
+        # A loader process still starting has no SIGTERM handler of torch's yet, so the terminate
+        # after a failure kills it by the signal, and torch's SIGCHLD handler would raise that
+        # death from wherever the rank is then (its iterator's shutdown, say).
+        iterator: Any = iter(DataLoader(_Stuck(), num_workers=2))
+        end_processes(iterator, iterator._workers)
+        for p in iterator._workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+        torch.utils.data._utils.signal_handling._error_if_any_worker_fails()
+        shutdown_workers(iterator)
 
     def test_the_timeout_bounds_one_batch_not_a_whole_pass(self) -> None:
         # Every batch takes 1 s and 8 of them take 4 s or more on 2 processes: longer than the

@@ -232,12 +232,20 @@ def failed_loader(
         watch=watch if isinstance(watch, LoaderWatch) else None,
     )
     if failure is not None:
-        end_processes(processes)
+        end_processes(iterator, processes)
     return failure
 
 
-def end_processes(processes: Sequence[Any]) -> None:
+def end_processes(iterator: Any, processes: Sequence[Any]) -> None:
     """Terminate a failed loader's processes that still run (each exits quietly on its parent's SIGTERM)."""
+    # torch's SIGCHLD handler raises for any registered loader process that dies by a signal, at
+    # whatever line the rank is on then (the iterator's own shutdown, say). Unregister them first,
+    # as torch's shutdown does before its own terminate, so the deaths asked for here are not errors.
+    handling = sys.modules.get("torch.utils.data._utils.signal_handling")  # loaded with any iterator
+    if handling is not None and getattr(iterator, "_worker_pids_set", False):
+        with contextlib.suppress(Exception):
+            handling._remove_worker_pids(id(iterator))
+            iterator._worker_pids_set = False
     for p in processes:
         with contextlib.suppress(Exception):  # already gone, or never started
             if p.is_alive():
