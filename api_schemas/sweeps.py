@@ -127,6 +127,8 @@ class Sweep(BaseModel):
     best: SweepBest | None
     created_at: datetime
     finished_at: datetime | None
+    # Set when the sweep failed for a reason of its own (a later trial's submit refused).
+    error: str | None = None
 
 
 class SweepList(BaseModel):

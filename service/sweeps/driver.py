@@ -14,16 +14,19 @@ from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobSpec, JobStatus
 from service.config import Settings
 from service.errors import ServiceError
+from service.jobs import policy
 from service.jobs import repository as job_repository
 from service.jobs import service as jobs
 from service.models import Job, SweepTrial, User
 from service.models import Sweep as SweepRow
 from service.models.base import utcnow
+from service.scheduling.queue import QueueFull
 from service.sweeps import repository, space
 from service.sweeps.service import trial_spec
 
@@ -90,11 +93,11 @@ def _frozen(
     return frozen
 
 
-def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> None:
-    """One round of one sweep (the caller commits): end, prune, then start trials."""
+def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> int:
+    """One round of one sweep (the caller commits): end, prune, then start trials; how many started."""
     sweep = repository.get(session, sweep_id=sweep_id, lock=True)
     if sweep is None or sweep.state != "running":
-        return
+        return 0
     spec = sweep.spec
     owner = session.get(User, sweep.owner_id)
     assert owner is not None
@@ -104,12 +107,13 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> None:
     study = optuna.create_study(direction=direction)
     pruner = _pruner(spec)
     rows = repository.trials(session, sweep_id=sweep.id)
+    # A finished trial's steps matter only to a pruner (its intermediate values): one query for all.
+    wanted = [job.id for trial, job in rows if job is not None and (trial.state == "active" or pruner)]
+    series = repository.series_of(session, job_ids=wanted, name=metric)
     running: list[tuple[SweepTrial, Job, list[tuple[int, float]]]] = []
     frozen: list[FrozenTrial] = []
     for trial, job in rows:
-        # A finished trial's steps matter only to a pruner (its intermediate values).
-        wanted = job is not None and (trial.state == "active" or pruner is not None)
-        steps = repository.series(session, job_id=job.id, name=metric) if wanted and job else []
+        steps = series.get(job.id, []) if job is not None else []
         if trial.state == "active":
             _end_if_done(trial, job, steps)
         if trial.state == "active" and job is not None:
@@ -134,19 +138,27 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> None:
     for f in frozen:
         if not f.state.is_finished():
             study.add_trial(f)
-    number = len(rows)
+    number, started = len(rows), 0
     while active < spec["max_concurrent_trials"] and number < spec["max_trials"]:
-        if not _start(
-            session, sweep=sweep, owner=owner, study=study, number=number, dists=dists, settings=settings
-        ):
-            break
+        try:
+            if not _start(
+                session, sweep=sweep, owner=owner, study=study, number=number, dists=dists, settings=settings
+            ):
+                break
+        except TrialRefused as exc:
+            # Refused for good (the owner lost a grant, a point no submit check reached): the sweep
+            # fails saying why, rather than trying again every round; its running trials are stopped.
+            _fail(session, sweep=sweep, rows=rows, owner=owner, error=str(exc))
+            return started
         active += 1
         number += 1
+        started += 1
     if number >= spec["max_trials"] and active == 0:
         # max_trials have ended: the sweep is decided.
         sweep.state = "succeeded" if any(t.state == "complete" for t, _ in rows) else "failed"
         sweep.finished_at = utcnow()
     session.flush()
+    return started
 
 
 def _prunes(
@@ -178,6 +190,10 @@ def _end_if_done(trial: SweepTrial, job: Job | None, steps: list[tuple[int, floa
         trial.state = "failed"
 
 
+class TrialRefused(Exception):
+    """A trial's submit was refused for a reason that waiting does not change."""
+
+
 def _start(
     session: Session,
     *,
@@ -188,34 +204,62 @@ def _start(
     dists: dict[str, Any],
     settings: Settings | None,
 ) -> bool:
-    """Ask Optuna for trial `number` and submit its job as the owner; False if the owner's limits say wait."""
+    """Ask Optuna for trial `number` and submit its job as the owner; False if the owner's limits say wait.
+
+    TrialRefused if its submit would be refused now: each trial is checked as a submit of its own
+    would be (the owner's grants and the server's rules may have changed since the sweep's submit).
+    """
     study.sampler = _sampler(sweep.spec, number)
     asked = study.ask(dists)
     params = dict(asked.params)
-    spec = JobSpec.model_validate(trial_spec(sweep, number=number, params=params))
+    try:
+        spec = JobSpec.model_validate(trial_spec(sweep, number=number, params=params))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise TrialRefused(
+            f"trial {number} ({params}) makes an invalid spec: {where}: {first['msg']}"
+        ) from None
     try:
         with session.begin_nested():
+            if settings is not None:
+                policy.check_user_code(session, user=owner, spec=spec, settings=settings)
+                policy.check_data_paths(spec=spec, settings=settings)
             job, _ = jobs.submit_once(
                 session, user=owner, spec=spec, key=f"sweep:{sweep.id}:{number}", settings=settings
             )
             repository.add_trial(
                 session, trial=SweepTrial(sweep_id=sweep.id, number=number, job_id=job.id, params=params)
             )
-    except ServiceError as exc:
-        # The owner's queue cap (or another limit) holds the sweep back until a trial ends.
+    except QueueFull as exc:
+        # The owner's queue cap holds the sweep back until a trial starts or ends.
         log.info("sweep %s: trial %d waits: %s", sweep.id, number, exc)
         return False
+    except ServiceError as exc:
+        raise TrialRefused(f"trial {number}'s submit was refused ({exc.status_code}): {exc}") from None
     return True
+
+
+def _fail(
+    session: Session, *, sweep: SweepRow, rows: list[tuple[SweepTrial, Job | None]], owner: User, error: str
+) -> None:
+    log.warning("sweep %s failed: %s", sweep.id, error)
+    for _trial, job in rows:
+        if job is not None and not JobStatus(job.status).is_terminal():
+            jobs.cancel(session, user=owner, job_id=job.id)
+    sweep.state, sweep.error, sweep.finished_at = "failed", error, utcnow()
+    session.flush()
 
 
 def run_once(*, sessions: sessionmaker[Session], settings: Settings | None) -> bool:
     """One round over every running sweep, each in its own transaction; True if any job was submitted."""
     with sessions() as session:
         ids = repository.running_ids(session)
+    started = 0
     for sweep_id in ids:
         try:
             with sessions.begin() as session:
-                tick(session, sweep_id=sweep_id, settings=settings)
+                started += tick(session, sweep_id=sweep_id, settings=settings)
         except Exception:  # noqa: BLE001 - one broken sweep must not stop the others' rounds
             log.warning("sweep %s: round failed", sweep_id, exc_info=True)
-    return bool(ids)
+    return started > 0

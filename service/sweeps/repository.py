@@ -52,12 +52,22 @@ def add_trial(session: Session, *, trial: SweepTrial) -> None:
 
 def series(session: Session, *, job_id: str, name: str) -> list[tuple[int, float]]:
     """A job's values of one metric by step (the newest attempt's value for a repeated step)."""
+    return series_of(session, job_ids=[job_id], name=name).get(job_id, [])
+
+
+def series_of(session: Session, *, job_ids: Sequence[str], name: str) -> dict[str, list[tuple[int, float]]]:
+    """`series` of several jobs in one query (jobs without a value are left out)."""
+    if not job_ids:
+        return {}
     rows = session.execute(
-        select(Metric.step, Metric.value)
-        .where(Metric.job_id == job_id, Metric.name == name)
-        .order_by(Metric.step, Metric.attempt)
+        select(Metric.job_id, Metric.step, Metric.value)
+        .where(Metric.job_id.in_(job_ids), Metric.name == name)
+        .order_by(Metric.job_id, Metric.step, Metric.attempt)
     ).all()
-    return sorted({step: value for step, value in rows}.items())
+    by_job: dict[str, dict[int, float]] = {}
+    for job_id, step, value in rows:
+        by_job.setdefault(job_id, {})[step] = value
+    return {job_id: sorted(values.items()) for job_id, values in by_job.items()}
 
 
 def encode_cursor(sweep: Sweep) -> str:

@@ -141,6 +141,7 @@ def present(session: Session, *, sweep: SweepRow, owner: str, steps: bool = True
         best=best,
         created_at=sweep.created_at,
         finished_at=sweep.finished_at,
+        error=sweep.error,
     )
 
 

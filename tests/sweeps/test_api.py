@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobStatus
 from service.config import Settings
 from service.jobs import lifecycle
-from service.models import Job, Metric, SweepTrial
+from service.models import Job, Metric, SweepTrial, User
 from service.sweeps import driver
 from tests.api_fixtures import SPEC, add_user, as_user
 
@@ -243,3 +243,49 @@ def test_asha_prunes_a_trial_behind_at_its_rung_and_promotes_one_ahead(
     driver.run_once(sessions=sessions, settings=settings)
     c, d = trials(db, sweep["id"])[2:]
     assert (c.state, d.state) == ("pruned", "active")
+
+
+def test_a_later_trial_is_checked_as_its_own_submit_and_a_refusal_fails_the_sweep_saying_why(
+    client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session
+) -> None:
+    from service.users import repository as users_repository
+    from service.users import service as users
+
+    token = users.create(db, name="coder", admin=False, can_run_code=True).token
+    db.commit()
+    r = client.post(
+        "/v1/sweeps",
+        json=sweep_body(space={"env.WANDB_MODE": {"choice": ["offline", "disabled"]}}),
+        headers=as_user(token),
+    )
+    assert r.status_code == 201, r.text
+    sweep = r.json()
+    assert driver.run_once(sessions=sessions, settings=settings)  # trials 0 and 1 submitted
+    assert not driver.run_once(sessions=sessions, settings=settings)  # a round that starts nothing
+    first, second = trials(db, sweep["id"])
+    # The admin takes the code grant back: trial 2 would be a submit the owner may no longer make.
+    coder = db.scalar(select(User).where(User.name == "coder"))
+    assert coder is not None
+    users_repository.set_can_run_code(db, user_id=coder.id, allowed=False)
+    db.commit()
+    finish(sessions, first.job_id or "", [1.0, 0.5])
+    driver.run_once(sessions=sessions, settings=settings)
+    shown = client.get(f"/v1/sweeps/{sweep['id']}", headers=as_user(token)).json()
+    assert shown["state"] == "failed" and len(shown["trials"]) == 2, shown
+    assert "trial 2's submit was refused (403)" in shown["error"], shown["error"]
+    db.expire_all()
+    queued = db.get(Job, second.job_id)
+    assert queued is not None and queued.status == JobStatus.CANCELLED.value  # nothing left running
+
+
+def test_a_full_queue_holds_the_next_trial_back_until_one_starts(
+    client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session
+) -> None:
+    sweep = create(client, max_trials=3, max_concurrent_trials=3)
+    capped = settings.model_copy(update={"max_queued_per_user": 2})
+    assert driver.run_once(sessions=sessions, settings=capped)
+    assert [t.number for t in trials(db, sweep["id"])] == [0, 1]  # the third waits, the sweep runs on
+    finish(sessions, trials(db, sweep["id"])[0].job_id or "", [1.0], end=False)  # one starts
+    driver.run_once(sessions=sessions, settings=capped)
+    assert [t.number for t in trials(db, sweep["id"])] == [0, 1, 2]
+    assert client.get(f"/v1/sweeps/{sweep['id']}").json()["state"] == "running"
