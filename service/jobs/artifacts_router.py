@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import PurePosixPath
-from typing import BinaryIO
-from urllib.parse import quote
 
 from fastapi.responses import StreamingResponse
 
 from api_schemas import ArtifactList
 from service.deps import CurrentUser, SessionDep, SettingsDep
+from service.downloads import attachment
 from service.errors import NotFound, error_responses
 from service.jobs import artifacts
 from service.params import ArtifactPath, JobId
 from service.routing import v1_router
 
 router = v1_router("jobs")
-CHUNK_BYTES = 1 << 20
 
 _ARTIFACT_FILE: dict[int | str, dict[str, object]] = {
     200: {
@@ -52,19 +48,5 @@ def download_artifact(
     row, f = artifacts.open_artifact(
         session, user=user, job_id=job_id, path=path, artifact_root=settings.artifacts
     )
-    name = PurePosixPath(path).name
-    size = os.fstat(f.fileno()).st_size
-    headers = {
-        "X-Artifact-SHA256": row.sha256,
-        "Content-Length": str(size),
-        "Content-Disposition": f"attachment; filename*=UTF-8''{quote(name)}",
-    }
-    return StreamingResponse(_chunks(f, size), media_type="application/octet-stream", headers=headers)
-
-
-def _chunks(f: BinaryIO, size: int) -> Iterator[bytes]:
-    # Never more than the Content-Length sent: a running attempt may be appending to the file.
-    with f:
-        while size > 0 and (chunk := f.read(min(CHUNK_BYTES, size))):
-            size -= len(chunk)
-            yield chunk
+    headers = {"X-Artifact-SHA256": row.sha256}
+    return attachment(f, name=PurePosixPath(path).name, headers=headers)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BeforeValidator
 from sqlalchemy.orm import Session
 
@@ -34,6 +34,7 @@ from service.deps import (
     run_read,
     token_check,
 )
+from service.downloads import attachment
 from service.errors import (
     Conflict,
     Forbidden,
@@ -43,6 +44,7 @@ from service.errors import (
     invalid_field,
 )
 from service.etag import conditional, conditional_json
+from service.files import open_beneath
 from service.jobs import events, metrics_repository, policy, repository, service
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
@@ -329,22 +331,19 @@ _CHECKPOINT_FILE: dict[int | str, dict[str, object]] = {
 
 @router.get(
     "/{job_id}/checkpoints/{checkpoint_id}/download",
-    response_class=FileResponse,
+    response_class=StreamingResponse,
     responses=_CHECKPOINT_FILE | error_responses(NotFound),
 )
 def download_checkpoint(
     job_id: JobId, checkpoint_id: CheckpointId, session: SessionDep, user: CurrentUser, settings: SettingsDep
-) -> FileResponse:
+) -> StreamingResponse:
     """The checkpoint file; open it with `torch.load(f, weights_only=True)`."""
     ckpt = service.get_checkpoint(session, user=user, job_id=job_id, checkpoint_id=checkpoint_id)
-    root = settings.artifacts.resolve()
-    path = Path(ckpt.path).resolve()
-    # Never serve a file outside the artifact root, whatever a row says.
-    if not path.is_relative_to(root) or not path.is_file():
+    # Never a file outside the artifact root, nor through a link, whatever the row says: a rank
+    # may swap a link to another job's checkpoint in for its own file.
+    root = settings.artifacts
+    path = Path(ckpt.path)
+    f = open_beneath(root, path.relative_to(root).as_posix()) if path.is_relative_to(root) else None
+    if f is None:
         raise NotFound(f"checkpoint file of {checkpoint_id} is no longer available")
-    return FileResponse(
-        path,
-        media_type="application/octet-stream",
-        filename=f"{job_id}-step{ckpt.step}.pt",
-        headers={"X-Checkpoint-SHA256": ckpt.sha256},
-    )
+    return attachment(f, name=f"{job_id}-step{ckpt.step}.pt", headers={"X-Checkpoint-SHA256": ckpt.sha256})

@@ -13,12 +13,10 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
@@ -27,8 +25,6 @@ from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 REPORTS = ROOT / "test-reports"
 LOSS_RGB = (37, 99, 235)  # the loss series' stroke, #2563eb in detail.js
 EVAL_LOSS_RGB = (220, 38, 38)  # eval/loss, the evaluation chart's first series: #dc2626 in detail.js
@@ -47,17 +43,6 @@ _COUNT_PIXELS = """([selector, rgb]) => {
   }
   return n;
 }"""
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    """Debian's Chromium, headless; the test fails (never skips) without it."""
-    if not CHROMIUM.exists():
-        pytest.fail(f"Chromium is required at {CHROMIUM} (apt-get install chromium; .ci/run does it)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 def _submit(stack: Stack, name: str, *, evaluate: bool = False, **hp: Any) -> str:

@@ -12,20 +12,17 @@ from __future__ import annotations
 import json
 import mimetypes
 import subprocess
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Route, expect
 
 from tests.e2e.helpers import ROOT
 
 pytestmark = pytest.mark.e2e
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 STATIC = ROOT / "service" / "dashboard" / "static"
 ORIGIN = "http://dashboard.test"
 SWEEP_ID = "sw_0123456789abcdef"
@@ -83,17 +80,6 @@ def _series(job_id: str) -> dict[str, Any]:
         [step, final + (10 - step) * 0.05] for step in range(2, 11 if TRIALS[number]["objective"] else 5, 2)
     ]
     return {"job_id": job_id, "series": {"eval/loss": points}}
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    """Debian's Chromium, headless; the test fails (never skips) without it."""
-    if not CHROMIUM.exists():
-        pytest.fail(f"Chromium is required at {CHROMIUM} (apt-get install chromium; .ci/run does it)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield b
-        b.close()
 
 
 Api = Callable[[str, dict[str, list[str]]], tuple[int, Any]]

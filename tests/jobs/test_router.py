@@ -144,3 +144,10 @@ class TestRunOutputs:
         r = client.get(f"/v1/jobs/{jid}/checkpoints/{items[1]['id']}/download")
         assert r.status_code == 404, "a path outside the artifact root must never be served"
         assert client.get(f"/v1/jobs/{jid}/checkpoints/999999/download").status_code == 404
+        # A rank swaps a link to another job's checkpoint (inside the root) in for its own file.
+        other = settings.artifacts / "jobs" / "someone-else.pt"
+        other.write_bytes(b"another user's weights")
+        path.unlink()
+        path.symlink_to(other)
+        r = client.get(f"/v1/jobs/{jid}/checkpoints/{items[0]['id']}/download")
+        assert r.status_code == 404, "a link must never be followed, even to a file inside the root"
