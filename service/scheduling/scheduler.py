@@ -64,8 +64,9 @@ class Scheduler(threading.Thread):
             try:
                 schedule_once(sessions=self.sessions, dispatcher=self.dispatcher, settings=self.settings)
                 # Sweeps start their next trials (and prune, and end) on the same beat; the trials
-                # they submit are placed by the next round, kicked at once.
+                # they submitted are placed at once, in this round (at most max_concurrent_trials
+                # each, not the stream of submits the gap is for).
                 if sweeps.run_once(sessions=self.sessions, settings=self.settings):
-                    self.kicked.set()
+                    schedule_once(sessions=self.sessions, dispatcher=self.dispatcher, settings=self.settings)
             except Exception:  # noqa: BLE001 - e.g. the database restarting: the next round tries again
                 log.warning("placement round failed", exc_info=True)

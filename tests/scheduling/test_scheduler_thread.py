@@ -58,3 +58,23 @@ def test_kicks_during_a_round_coalesce_into_one_more_round_a_gap_later(
         s.stop()
         s.join(10)
     assert not s.is_alive()
+
+
+def test_trials_a_sweep_submits_are_placed_in_the_same_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    rounds = Rounds()
+    rounds.release_first.set()
+    monkeypatch.setattr(scheduler_module, "schedule_once", rounds)
+    submitted = iter([True])  # the first round's driver submits trials, later ones nothing
+    monkeypatch.setattr(scheduler_module.sweeps, "run_once", lambda **_kw: next(submitted, False))
+    s = Scheduler(sessions=None, dispatcher=None, settings=Settings(schedule_interval_seconds=600))  # type: ignore[arg-type]
+    s.start()
+    try:
+        s.kick()
+        _wait_for(lambda: len(rounds.started) == 2)
+        # Placed at once, not a kick and a gap later; and no more rounds after that.
+        assert rounds.started[1] - rounds.started[0] < MIN_GAP_SECONDS
+        time.sleep(MIN_GAP_SECONDS * 2)
+        assert len(rounds.started) == 2
+    finally:
+        s.stop()
+        s.join(10)
