@@ -189,3 +189,13 @@ def test_a_missing_sweep_or_api_shows_the_error(browser: Browser, status: int, b
     expect(page.locator("#sweep-trials tr")).to_have_count(0)
     assert errors == [] and requests == [f"/v1/sweeps/{SWEEP_ID}?"], (errors, requests)
     page.close()
+
+
+def test_a_sweep_that_failed_on_its_own_says_why(browser: Browser) -> None:
+    failed = {**SWEEP, "state": "failed", "error": f"trial 4's submit was refused (403): {HOSTILE}"}
+    page = _open(browser, lambda path, _q: (200, failed) if path.startswith("/v1/sweeps/") else (200, {}), [])
+    page.goto(f"{ORIGIN}/#/sweeps/{SWEEP_ID}")
+    expect(page.locator("#sweep-state")).to_have_text("failed")
+    expect(page.locator("#sweep-failure")).to_have_text(failed["error"])  # as text, never markup
+    assert page.evaluate("window.pwned") is None
+    page.close()

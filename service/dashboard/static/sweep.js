@@ -108,6 +108,8 @@
         ["Best", sweep.best ? `trial ${sweep.best.number}: ${fmt(sweep.best.objective)}` : "none yet"],
         ["Created", d.ago(sweep.created_at)],
       ];
+      // Why a sweep failed when no trial of it did (a later trial's submit refused); text, never HTML.
+      if (sweep.error) rows.push(["Error", el("span", { id: "sweep-failure", text: sweep.error })]);
       summary.replaceChildren(...rows.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", {}, v)]));
       summary.querySelector("dd span.badge").id = "sweep-state";
     }
