@@ -146,7 +146,7 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> int:
             ):
                 break
         except TrialRefused as exc:
-            # Refused for good (the owner lost a grant, a point no submit check reached): the sweep
+            # Refused for good (the owner lost a grant, the server gained a rule): the sweep
             # fails saying why, rather than trying again every round; its running trials are stopped.
             _fail(session, sweep=sweep, rows=rows, owner=owner, error=str(exc))
             return started

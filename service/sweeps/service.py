@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -58,24 +59,29 @@ def check(session: Session, *, user: User, body: SweepCreate, row: SweepRow, set
     except ValidationError as exc:
         first = exc.errors()[0]
         raise invalid_field(("body", "base", *first["loc"]), first["msg"], first.get("input")) from None
-    count, combos = space.points(body.space)
+    count = space.count(body.space)
     if count > space.MAX_POINTS:
         raise invalid_field(
             ("body", "space"),
-            f"the space has {count} points to check (above {space.MAX_POINTS}): use fewer values",
+            f"the space has {count} points to check (above {space.MAX_POINTS}): "
+            "narrow an int range, or list the values wanted as a choice",
             None,
         )
     paths = list(body.space)
-    # The server's rules on code, `env`, `environment` and data: on the base, and on every point
-    # when the space reaches past the hyperparameters (an `env.X` or `entrypoint` choice).
+    # The server's rules on code, `env`, `environment` and data: on the base, and on each distinct
+    # setting of the paths outside the hyperparameters (an `env.X` or `entrypoint` choice), which
+    # alone can change their answer.
     policy.check_user_code(session, user=user, spec=base, settings=settings)
     policy.check_data_paths(spec=base, settings=settings)
-    beyond = any(not path.startswith("hyperparameters.") for path in paths)
-    for combo in combos:
+    beyond = [i for i, path in enumerate(paths) if not path.startswith("hyperparameters.")]
+    checked: set[str] = set()
+    for combo in space.points(body.space):
         spec = _check_point(row, dict(zip(paths, combo, strict=True)))
         # A trial's submit would refuse a priority above the owner's ceiling; say so now.
         queue.check_priority(user=user, spec=spec)
-        if beyond:
+        setting = json.dumps([combo[i] for i in beyond])
+        if beyond and setting not in checked:
+            checked.add(setting)
             policy.check_user_code(session, user=user, spec=spec, settings=settings)
             policy.check_data_paths(spec=spec, settings=settings)
 

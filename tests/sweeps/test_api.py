@@ -136,10 +136,27 @@ def test_a_space_point_that_makes_an_invalid_spec_is_422_naming_its_path(client:
     assert r.status_code == 422, r.text
     detail = r.json()["detail"][0]
     assert detail["loc"] == ["body", "space", "hyperparameters.global_batch_size"] and detail["input"] == 7
-    # An int range is checked at each of its values.
+    # An int range is checked at each of its values, however wide: gpt's d_model 4290 divides by
+    # 1, 2, 33, 65 and 66 (the range's ends, their neighbours and middle) but not by 4.
     space = {"hyperparameters.global_batch_size": {"int": [8, 11]}}
     r = client.post("/v1/sweeps", json=sweep_body(space=space))
     assert r.json()["detail"][0]["loc"] == ["body", "space", "hyperparameters.global_batch_size"]
+    gpt = {
+        **SPEC,
+        "recipe": "gpt",
+        "hyperparameters": {"global_batch_size": 8, "steps": 4, "d_model": 4290, "n_heads": 1},
+    }
+    r = client.post(
+        "/v1/sweeps", json=sweep_body(base=gpt, space={"hyperparameters.n_heads": {"int": [1, 66]}})
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["body", "space", "hyperparameters.n_heads"]
+    assert r.json()["detail"][0]["input"] == 4, r.text
+    # A space too large to check every point is refused, saying so, before any point is listed.
+    huge = {"hyperparameters.global_batch_size": {"int": [1, 10**18]}}
+    r = client.post("/v1/sweeps", json=sweep_body(space=huge))
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "space"], r.text
+    assert "narrow an int range" in r.json()["detail"][0]["msg"]
     r = client.post(
         "/v1/sweeps", json=sweep_body(space={"hyperparameters.momentum": {"uniform": [0.5, 1.5]}})
     )
