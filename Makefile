@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+SCHEMATHESIS := tests/security/test_schemathesis.py
 
 .PHONY: setup run test test-fast lint typecheck clean bench bench-smoke
 
@@ -19,8 +20,13 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/dptrain up --host $${HOST:-127.0.0.1} --port $${PORT:-8000}
 
+# Two pytest processes (pytest-xdist), each taking a whole test module at a time (a module's
+# stack or database is set up once): most e2e tests wait on processes they started, so two at once
+# keep CI's two cores busy. Schemathesis makes its operations items that share one test id, which
+# xdist cannot hand out one by one: that module runs after, on its own.
 test: setup lint bench-smoke
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --ignore=$(SCHEMATHESIS) $(PYTEST_ARGS)
+	$(PY) -m pytest $(SCHEMATHESIS) $(PYTEST_ARGS)
 
 # The inner loop: every test not marked e2e (none starts a process: tests/conftest.py fails one
 # that does), without lint or bench-smoke. Under two minutes; `make test` stays the whole suite.

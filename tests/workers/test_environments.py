@@ -123,7 +123,10 @@ def test_the_index_down_fails_the_job_within_the_build_timeout(
         package_index.start()
     error = job_row(sessions, job_id).error
     assert error is not None and error["type"] == "EnvironmentBuildFailed", error
-    assert "took longer than 5 s" in error["message"] or "ERROR:" in error["message"], error
+    # Either the build's own timeout ended it, or the installer gave up first (uv retries a refused
+    # connection 3 times in about 4 s and says so; pip prints "ERROR: ..."): both within the 5 s.
+    message = error["message"]
+    assert "took longer than 5 s" in message or "ERROR:" in message or "Connection refused" in message, error
 
 
 def test_a_cancel_stops_a_build_at_once(
