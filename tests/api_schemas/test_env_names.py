@@ -31,7 +31,15 @@ LISTED = [
 # Refused by the pattern itself: lower case (a twin some programs read), a leading `_`
 # (`_JAVA_OPTIONS`), bash's exported functions, a digit first, too long.
 MALFORMED = ["cxx", "http_proxy", "_JAVA_OPTIONS", "_", "BASH_FUNC_x%%", "1X", "A-B", "A" * 129, ""]
-ALLOWED = ["MY_FLAG", "WANDB_MODE", "HF_HUB_OFFLINE", "OMP_NUM_THREADS", "LDX", "A" * 128, *sorted(ALLOWED_ENV_NAMES)]
+ALLOWED = [
+    "MY_FLAG",
+    "WANDB_MODE",
+    "HF_HUB_OFFLINE",
+    "OMP_NUM_THREADS",
+    "LDX",
+    "A" * 128,
+    *sorted(ALLOWED_ENV_NAMES),
+]
 
 
 def _refusal(name: str) -> dict[str, object]:

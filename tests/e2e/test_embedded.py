@@ -1,8 +1,10 @@
 """End to end on the embedded default: `dptrain up` with SQLite and a serverless queue, no server at all:
-the mlp scenario, then a sweep."""
+the mlp scenario, then the sweeps of tests/e2e/sweep_scenario.py (every step slowed by the `sleep`
+fault, 100 ms, so that ASHA decides while the trial it prunes still runs)."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,14 +13,17 @@ import pytest
 
 from tests.e2e.helpers import Procs, clean_env, wait_healthy
 from tests.e2e.scenario import run_mlp_scenario
-from tests.e2e.sweep_scenario import run_random_sweep
+from tests.e2e.sweep_scenario import run_asha_sweep, run_random_sweep
+from workers.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 
 
 def test_dptrain_up_runs_a_job_with_no_servers(tmp_path: Path, free_port: Callable[[], int]) -> None:
     home = tmp_path / "home"
-    env = clean_env(DPTRAIN_HOME=str(home), DPTRAIN_REPORT_INTERVAL_SECONDS="0.2")
+    env = clean_env(
+        DPTRAIN_HOME=str(home), DPTRAIN_REPORT_INTERVAL_SECONDS="0.2", DPTRAIN_FAULT_INJECT="sleep:ms=100"
+    )
     procs = Procs(tmp_path)
     port = free_port()
     procs.start("up", ["up", "--port", str(port)], env, cwd=tmp_path)
@@ -29,8 +34,15 @@ def test_dptrain_up_runs_a_job_with_no_servers(tmp_path: Path, free_port: Callab
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30) as http:
             assert http.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
             run_mlp_scenario(http, procs)
-            # A sweep of 6 two-rank trials, at most 2 at once, on SQLite and the serverless queue.
-            run_random_sweep(http, procs)
+
+            def restart() -> None:
+                # `up` stopped as systemd stops it, mid-sweep, and started again on the same home.
+                procs.signal("up", signal.SIGTERM, timeout=30)
+                procs.start("up", ["up", "--port", str(port)], env, cwd=tmp_path)
+                wait_healthy(base, procs, timeout=90)
+
+            run_random_sweep(http, procs, restart=restart)
+            run_asha_sweep(http, procs, ranks_of=rank_processes)
         assert (home / "dptrain.db").is_file() and (home / "broker.db").is_file()
         # Everything the API, the worker and the ranks wrote is private (docs/security.md); the home
         # folder itself is `up`'s to create, and the code cache is 0711 on purpose.
