@@ -148,7 +148,7 @@ def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> int:
         except TrialRefused as exc:
             # Refused for good (the owner lost a grant, the server gained a rule): the sweep
             # fails saying why, rather than trying again every round; its running trials are stopped.
-            _fail(session, sweep=sweep, rows=rows, owner=owner, error=str(exc))
+            _fail(session, sweep=sweep, owner=owner, error=str(exc))
             return started
         active += 1
         number += 1
@@ -240,11 +240,10 @@ def _start(
     return True
 
 
-def _fail(
-    session: Session, *, sweep: SweepRow, rows: list[tuple[SweepTrial, Job | None]], owner: User, error: str
-) -> None:
+def _fail(session: Session, *, sweep: SweepRow, owner: User, error: str) -> None:
     log.warning("sweep %s failed: %s", sweep.id, error)
-    for _trial, job in rows:
+    # Read again: the trials this round started before the refusal are live too.
+    for _trial, job in repository.trials(session, sweep_id=sweep.id):
         if job is not None and not JobStatus(job.status).is_terminal():
             jobs.cancel(session, user=owner, job_id=job.id)
     sweep.state, sweep.error, sweep.finished_at = "failed", error, utcnow()

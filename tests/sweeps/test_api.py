@@ -306,3 +306,28 @@ def test_a_full_queue_holds_the_next_trial_back_until_one_starts(
     driver.run_once(sessions=sessions, settings=capped)
     assert [t.number for t in trials(db, sweep["id"])] == [0, 1, 2]
     assert client.get(f"/v1/sweeps/{sweep['id']}").json()["state"] == "running"
+
+
+def test_a_refusal_mid_round_also_cancels_the_trials_that_round_started(
+    client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session
+) -> None:
+    from service.users import repository as users_repository
+    from service.users import service as users
+
+    token = users.create(db, name="eager", admin=False).token
+    eager = db.scalar(select(User).where(User.name == "eager"))
+    assert eager is not None
+    users_repository.set_max_priority(db, user_id=eager.id, ceiling=5)
+    db.commit()
+    # The grid sampler with seed 1 asks priority 0 first, then 5.
+    body = sweep_body(space={"priority": {"choice": [0, 5]}}, sampler="grid", max_trials=2, seed=1)
+    r = client.post("/v1/sweeps", json=body, headers=as_user(token))
+    assert r.status_code == 201, r.text
+    users_repository.set_max_priority(db, user_id=eager.id, ceiling=0)  # an admin lowers the ceiling
+    db.commit()
+    driver.run_once(sessions=sessions, settings=settings)
+    shown = client.get(f"/v1/sweeps/{r.json()['id']}", headers=as_user(token)).json()
+    assert shown["state"] == "failed" and "trial 1's submit was refused (403)" in shown["error"], shown
+    (first,) = trials(db, shown["id"])
+    job = db.get(Job, first.job_id, populate_existing=True)
+    assert job is not None and job.status == JobStatus.CANCELLED.value  # started this round, stopped too
