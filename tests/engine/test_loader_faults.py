@@ -215,11 +215,15 @@ class TestTorchsReportsTyped:
         ],
     )
     def test_a_dead_loader_process_is_loader_process_died(self, text: str, expected: str) -> None:
-        typed = loader_failure(RuntimeError(text), rank=1)
+        # The loader's own watch, which nothing reported to: without one, the reports of every
+        # watch of this process count, and an earlier test's loader may not be collected yet.
+        typed = loader_failure(RuntimeError(text), rank=1, watch=LoaderWatch())
         assert isinstance(typed, LoaderProcessDied) and expected in str(typed), typed
 
     def test_torchs_timeout_is_loader_timeout_naming_the_setting(self) -> None:
-        typed = loader_failure(RuntimeError("DataLoader timed out after 600.0 seconds"), rank=0)
+        typed = loader_failure(
+            RuntimeError("DataLoader timed out after 600.0 seconds"), rank=0, watch=LoaderWatch()
+        )
         assert isinstance(typed, LoaderTimeout), typed
         assert "in 600 s (data.loader_timeout_seconds)" in str(typed), typed
 
