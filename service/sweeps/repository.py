@@ -50,13 +50,9 @@ def add_trial(session: Session, *, trial: SweepTrial) -> None:
     session.flush()
 
 
-def series(session: Session, *, job_id: str, name: str) -> list[tuple[int, float]]:
-    """A job's values of one metric by step (the newest attempt's value for a repeated step)."""
-    return series_of(session, job_ids=[job_id], name=name).get(job_id, [])
-
-
 def series_of(session: Session, *, job_ids: Sequence[str], name: str) -> dict[str, list[tuple[int, float]]]:
-    """`series` of several jobs in one query (jobs without a value are left out)."""
+    """Each job's values of one metric by step, the newest attempt's for a repeated step (one query;
+    jobs without a value are left out)."""
     if not job_ids:
         return {}
     rows = session.execute(

@@ -117,9 +117,13 @@ def present(session: Session, *, sweep: SweepRow, owner: str, steps: bool = True
     """The API's view of a sweep: its trials (with their objective's steps) and the best."""
     metric = sweep.spec["objective"]["metric"]
     trials: list[SweepTrial] = []
-    for trial, job in repository.trials(session, sweep_id=sweep.id):
+    rows = repository.trials(session, sweep_id=sweep.id)
+    # The dashboard polls this while a sweep runs: every trial's series in one query.
+    ids = [job.id for _trial, job in rows if job is not None] if steps else []
+    by_job = repository.series_of(session, job_ids=ids, name=metric)
+    for trial, job in rows:
         status = trial.state if trial.state == "pruned" else (job.status if job else "failed")
-        series = repository.series(session, job_id=job.id, name=metric) if (steps and job) else None
+        series = by_job.get(job.id, []) if (steps and job) else None
         trials.append(
             SweepTrial(
                 number=trial.number,
