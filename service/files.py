@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from pathlib import Path
-from typing import BinaryIO
 
 from sqlalchemy.engine import make_url
+
+# Every file a job's ranks could have put in place is opened by rank_contract.files (no link
+# followed, regular files only); the outputs scanner and the downloads reach it through here.
+from rank_contract.files import open_beneath as open_beneath
 
 # No group or other bits on anything a server process creates: files 0600, folders 0700. The
 # ranks, started by the worker, inherit it.
@@ -53,35 +55,3 @@ def create_private_sqlite(url: str) -> None:
     # FileExistsError: another process of the service created it a moment ago, with the same mode.
     with contextlib.suppress(FileExistsError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-
-
-def open_beneath(root: Path, relative: str) -> BinaryIO | None:
-    """The regular file at `relative` (a '/'-separated path) under `root`, opened without following any link.
-
-    Every folder on the way is opened relative to the last one with O_NOFOLLOW, so a link planted
-    anywhere on the path (by a job's ranks, which may swap one in after any earlier check) is refused,
-    never followed out of `root`. None if the path is malformed, missing or not a regular file.
-    """
-    parts = relative.split("/")
-    if any(part in ("", ".", "..") or "\x00" in part for part in parts):
-        return None
-    folder_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    try:
-        fd = os.open(root, folder_flags)
-    except OSError:
-        return None
-    try:
-        for part in parts[:-1]:
-            inner = os.open(part, folder_flags, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        # O_NONBLOCK: opening a FIFO planted there must not wait for a writer.
-        file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
-        os.close(file_fd)
-        return None
-    return os.fdopen(file_fd, "rb")

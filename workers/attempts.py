@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.files import read_file
 from service.jobs import lifecycle
 from workers.engine.events import TRACEBACK_TAIL_LINES
 from workers.node_run import Attempt, NodeRun, RunPaths
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 # How long the end state of an attempt is retried through a database outage. Past it the job stays
 # `running` under this worker's name; this worker's reconciler, seeing it not in runner.active(), ends it.
 FINISH_RETRY_SECONDS = 3600
+# How much of the launcher log's end is read for the traceback of a failed launch.
+_TAIL_BYTES = 64 << 10
 
 # Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and
 # a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
@@ -204,10 +207,12 @@ def launcher_error(log_path: Path, *, rc: int, started: bool) -> JobError:
 
 
 def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
+    # The ranks may have put a link or a FIFO in the launcher log's place: read within a bound, never
+    # through a link (rank_contract.files).
+    data = read_file(path, limit=_TAIL_BYTES, from_end=True)
+    if data is None:
         return None
+    return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
 
 
 def record_outcome(

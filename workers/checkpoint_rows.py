@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -41,12 +42,19 @@ def sync_checkpoints(sessions: sessionmaker[Session], *, att: Attempt, directory
             sidecar = CheckpointManager.sidecar_for(path)
             if step in rows or not sidecar.exists():
                 continue
+            # The ranks write the folder: a link or anything but a regular file is no checkpoint.
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
             row = {
                 "job_id": att.job_id,
                 "attempt": max(1, att.number - 1),
                 "step": step,
                 "path": str(path),
-                "size_bytes": path.stat().st_size,
+                "size_bytes": st.st_size,
                 "sha256": sidecar_digest(sidecar),
                 "created_at": utcnow(),
                 "best": step == best,

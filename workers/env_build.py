@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import io
 import os
 import shutil
 import site
@@ -45,6 +46,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from api_schemas import JobError
+from rank_contract.files import create_beneath
 from service.config import Settings
 from service.jobs.requirements import OUR_PACKAGES, WORKER_DISTRIBUTIONS, protected
 from workers import sandbox
@@ -152,7 +154,12 @@ class Builder:
             user = {"user": self.uid, "group": self.gid, "extra_groups": []}
         deadline = time.monotonic() + self.settings.env_build_timeout_seconds
         output: list[str] = []
-        with self.log.open("a") as log:
+        # logs/ is the ranks' folder: never written through a link or a FIFO put in the log's place.
+        opened = create_beneath(self.log.parent, self.log.name)
+        if opened is None:
+            message = f"{self.log} is a link or not a regular file: the build's output is not put there"
+            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+        with io.TextIOWrapper(opened, encoding="utf-8", errors="replace") as log:
             log.write(f"[setup] installing {len(self.lines)} requirements: {' '.join(self.lines)}\n")
             log.flush()
             proc: subprocess.Popen[bytes] = subprocess.Popen(

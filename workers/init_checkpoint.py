@@ -8,14 +8,15 @@ A mismatch is not retried (attempts.NOT_RETRIED): the same file fails the same w
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from api_schemas import JobError
+from rank_contract.files import open_beneath
 from workers.engine.checkpoint import checkpoint_files
-from workers.engine.hashed_file import sha256_file
 
 MISMATCH = "InitCheckpointMismatch"
 MISSING = "InitCheckpointMissing"
@@ -53,10 +54,13 @@ def needed(init: InitCheckpoint | None, *, checkpoint_dir: Path) -> InitCheckpoi
 def verify(init: InitCheckpoint) -> JobError | None:
     """Why the ranks must not start from `init` (missing, or not the bytes recorded), None if they may."""
     what = f"the init_from checkpoint (job {init.source_job}, step {init.step})"
-    try:
-        actual, _ = sha256_file(init.path)
-    except FileNotFoundError:
-        return JobError(type=MISSING, message=f"{what} is gone: {init.path} does not exist")
+    # The folder was handed to the ranks' user by an earlier attempt: the file is opened without
+    # following a link, and must be a regular file (rank_contract.files).
+    f = open_beneath(init.path.parent, init.path.name)
+    if f is None:
+        return JobError(type=MISSING, message=f"{what} is gone: {init.path} is no regular file")
+    with f:
+        actual = hashlib.file_digest(f, "sha256").hexdigest()
     if actual != init.sha256:
         message = f"{what} does not verify: sha256 {actual} != {init.sha256} recorded at submit"
         return JobError(type=MISMATCH, message=message)

@@ -48,8 +48,14 @@ class LogBudget:
         """Whether `start` ran, so lines can be admitted."""
         return self.limit is not None
 
-    def admit(self, rows: list[dict[str, Any]], *, final: bool = False) -> list[dict[str, Any]]:
-        """The rows to store of `rows` (in order, markers included); with `final`, the count of the drops."""
+    def admit(
+        self, rows: list[dict[str, Any]], *, final: bool = False, unread: tuple[int, int] = (0, 0)
+    ) -> list[dict[str, Any]]:
+        """The rows to store of `rows` (in order, markers included); with `final`, the count of the drops.
+
+        `unread`: (lines, bytes) a log file held past the budget and was cut of unread
+        (workers/tail.py), after `rows`: dropped, as any line past the cap.
+        """
         assert self.limit is not None, "start() first"
         kept: list[dict[str, Any]] = []
         for row in rows:
@@ -58,15 +64,20 @@ class LogBudget:
                 kept.append(row)
                 self.used += size
                 continue
-            if not self._full:
-                self._full = True
-                kept.append(self._marker(self._reached()))
-            self.dropped_lines += 1
-            self.dropped_bytes += size
-        if final and self.dropped_lines and not self.summarized:
+            self._drop(kept, lines=1, size=size)
+        if unread != (0, 0):
+            self._drop(kept, lines=unread[0], size=unread[1])
+        if final and (self.dropped_lines or self.dropped_bytes) and not self.summarized:
             self.summarized = True
             kept.append(self._marker(self._summary()))
         return kept
+
+    def _drop(self, kept: list[dict[str, Any]], *, lines: int, size: int) -> None:
+        if not self._full:
+            self._full = True
+            kept.append(self._marker(self._reached()))
+        self.dropped_lines += lines
+        self.dropped_bytes += size
 
     def _reached(self) -> str:
         return (

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api_schemas import JobSpec
+from rank_contract.files import create_beneath
 from workers.engine.launch import Rendezvous
 from workers.init_checkpoint import InitCheckpoint
 
@@ -58,7 +59,13 @@ class RunPaths:
         """Write the ranks' spec.json, which the engine validates into this same model (engine.config)."""
         # allow_nan=False: a non-finite number is refused here (a ValueError) rather than handed over
         # as `NaN`, which Python's json reads back without a word.
-        self.spec_path.write_text(json.dumps(spec.model_dump(mode="json"), indent=2, allow_nan=False))
+        text = json.dumps(spec.model_dump(mode="json"), indent=2, allow_nan=False)
+        # The ranks' folder: never written through a link or a FIFO put in the file's place.
+        f = create_beneath(self.run_dir, self.spec_path.name, append=False)
+        if f is None:
+            raise OSError(f"{self.spec_path} is a link or not a regular file: the spec is not written there")
+        with f:
+            f.write(text.encode())
 
     @property
     def launcher_log(self) -> Path:

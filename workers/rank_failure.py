@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rank_contract.env import EXCEPTION_FILE_ENV, exception_file
+from rank_contract.files import read_file
 from workers.engine.events import TRACEBACK_TAIL_LINES, ErrorEvent
 
 # torchrun's variable for a rank's error file (torch.distributed.elastic's ErrorHandler).
@@ -60,23 +61,17 @@ class Raised:
 
 def log_tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> list[str]:
     """The last `lines` lines of the rank's log (empty if there is none)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
-            data = f.read()
-    except OSError:
-        return []
-    return data.decode("utf-8", errors="replace").splitlines()[-lines:]
+    data = read_file(path, limit=_TAIL_BYTES, from_end=True)
+    return data.decode("utf-8", errors="replace").splitlines()[-lines:] if data else []
 
 
 def _read_json(path: Path | str | None) -> Any:
-    # A regular file only: the program made the folder, and a FIFO there would block the open forever.
-    if not path or not os.path.isfile(path):
-        return None
+    # The program wrote it (and may have put a link, a FIFO or a device there instead): a regular
+    # file only, opened without following a link or waiting on a FIFO, and read within a bound.
+    data = read_file(path, limit=_MAX_FILE_BYTES) if path else None
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read(_MAX_FILE_BYTES))
-    except (OSError, ValueError):  # none, unreadable, cut short or not JSON: another channel answers
+        return json.loads(data) if data is not None else None
+    except ValueError:  # cut short or not JSON: another channel answers
         return None
 
 

@@ -88,8 +88,11 @@ class Reporter:
         self.attempt = attempt
         self.claim_token = claim_token
         self.run_dir = run_dir
-        self.events = TailSet(run_dir / "events", "rank*.jsonl")
-        self.logs = TailSet(run_dir / "logs", "*.log")
+        cap = max_log_bytes if max_log_bytes is not None else get_settings().max_log_bytes_per_job
+        # The ranks write these folders: every file is opened beneath run_dir with no link followed
+        # (workers/tail.py), and a log file is emptied once it has handed over the job's whole budget.
+        self.events = TailSet(run_dir, "events", "rank*.jsonl")
+        self.logs = TailSet(run_dir, "logs", "*.log", truncate_past=cap)
         self.state = RunState()
         self._metrics: list[dict[str, Any]] = []
         # Lines wait in `_incoming` until the budget knows what the job stored before (the first
@@ -97,7 +100,10 @@ class Reporter:
         self._incoming: list[dict[str, Any]] = []
         self._logs: list[dict[str, Any]] = []
         self._final = False
-        cap = max_log_bytes if max_log_bytes is not None else get_settings().max_log_bytes_per_job
+        # (lines, bytes) cut from the log files unread, past the budget, not yet counted by it.
+        self._unread = (0, 0)
+        # Names in logs/ or events/ that were links or no regular file, said once each in the job's log.
+        self._refused: set[str] = set()
         self.log_budget = LogBudget(cap=cap, job_id=job_id, attempt=attempt)
         self.nodes = nodes  # the attempt's nodes, which share what is left of the log cap
         self._checkpoints: list[dict[str, Any]] = []
@@ -114,10 +120,16 @@ class Reporter:
             self._incoming.append(
                 {"job_id": self.job_id, "attempt": self.attempt, "rank": _rank_of(path), "line": line}
             )
+        lines, size = self.logs.take_dropped()
+        # Lines cut unread past the budget are still the ranks' activity (the stall watchdog's).
+        seen += lines + (1 if size else 0)
+        self._unread = (self._unread[0] + lines, self._unread[1] + size)
         self._final = self._final or final
+        events = self.events.read(final=final)
+        self._note_refused()
         if self.log_budget.known:
             self._admit()
-        for path, line in self.events.read(final=final):
+        for path, line in events:
             seen += 1
             try:
                 event = parse_event(line)
@@ -180,13 +192,27 @@ class Reporter:
             self._notes.append(event.message)
 
     def _admit(self) -> None:
-        self._logs.extend(self.log_budget.admit(self._incoming, final=self._final))
-        self._incoming = []
+        self._logs.extend(self.log_budget.admit(self._incoming, final=self._final, unread=self._unread))
+        self._incoming, self._unread = [], (0, 0)
+
+    def _note_refused(self) -> None:
+        # The file is never read; the job's owner learns why its lines are missing (the launcher's
+        # line, rank NULL, within the budget like any other).
+        for sub, tails in (("logs", self.logs), ("events", self.events)):
+            for name in tails.refused:
+                if f"{sub}/{name}" in self._refused:
+                    continue
+                self._refused.add(f"{sub}/{name}")
+                line = f"[dptrain] {sub + '/' + name!r} was not read: it is a link or not a regular file"
+                log.warning("job %s: %s", self.job_id, line)
+                self._incoming.append(
+                    {"job_id": self.job_id, "attempt": self.attempt, "rank": None, "line": line}
+                )
 
     @property
     def pending(self) -> bool:
         """Whether collected reports wait to be written."""
-        logs = self._logs or self._incoming
+        logs = self._logs or self._incoming or self._unread != (0, 0)
         dirty = self._progress_dirty or bool(self._notes)
         return bool(self._metrics or logs or self._checkpoints or self._deleted or dirty)
 

@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.files import create_beneath
 from service.config import Settings
 from service.db import session_factory
 from service.files import PRIVATE_UMASK
@@ -283,8 +284,11 @@ def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetu
         user |= setup.run_as.popen_args()
     proc = _start_ranks(argv, env=setup.env, cwd=setup.cwd, log_path=paths.launcher_log, user=user)
     # For operators (and a recovering worker on another machine's tooling): which group to kill.
-    with contextlib.suppress(OSError):  # never a reason to lose track of the group just started
-        paths.pid_file.write_text(f"{proc.pid}\n")
+    # Never a reason to lose track of the group just started; never written through a link or a FIFO
+    # the ranks put in its place (rank_contract.files).
+    if (pid_file := create_beneath(paths.run_dir, paths.pid_file.name, append=False)) is not None:
+        with pid_file:
+            pid_file.write(f"{proc.pid}\n".encode())
     return proc
 
 
@@ -309,7 +313,10 @@ def _start_ranks(
     argv: list[str], *, env: dict[str, str], cwd: Path, log_path: Path, user: dict[str, Any]
 ) -> subprocess.Popen[bytes]:
     """Start torchrun (`argv`) in a session of its own, as `user` (Popen's user/group/umask arguments)."""
-    with log_path.open("ab") as launcher_out:
+    launcher_out = create_beneath(log_path.parent, log_path.name)
+    if launcher_out is None:
+        raise OSError(f"{log_path} is a link or not a regular file: the launcher's output is not put there")
+    with launcher_out:
         # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
         # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
         return subprocess.Popen(

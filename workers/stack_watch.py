@@ -15,7 +15,6 @@ Each dump is best effort: nothing here may fail or stop a run.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import StackDump, StackReason
+from rank_contract.files import touch_beneath
 from rank_contract.stacks import collective_timed_out, stacks_taken_file
 from service.jobs import lifecycle, repository, stacks_repository
 from workers import stacks
@@ -74,8 +74,8 @@ class StackWatch:
         self._at_end = True
         taken = self._take(reason, requested_at=None)
         # The rank whose collective timed out waits for this before it exits (rank_contract/stacks.py).
-        with contextlib.suppress(OSError):
-            stacks_taken_file(self.run_dir).touch()
+        # In the ranks' own folder: never through a link or a FIFO they put there (rank_contract.files).
+        touch_beneath(self.run_dir, stacks_taken_file(self.run_dir).name)
         if taken is not None:
             state.stacks_summary = stacks.summary(taken)
 

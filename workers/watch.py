@@ -15,13 +15,13 @@ job's restarts: workers/attempts.py) and resumes from its last checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from rank_contract.env import stop_file
+from rank_contract.files import touch_beneath
 
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
 # owns the job; stall: nobody is listening; outputs: every second writes more) signal at once.
@@ -64,10 +64,11 @@ class Watch:
         """Decide to stop the ranks for `reason`: ask a command job first, else signal at once."""
         self.stopped_for = reason
         delay = 0.0
-        if self.stop_file is not None and reason in ASKED_FIRST:
-            with contextlib.suppress(OSError):  # unable to ask: the signal still comes
-                self.stop_file.touch()
-                delay = self.grace
+        # The ranks own the folder: a link or a FIFO put there is never written through. Unable to
+        # ask: the signal still comes.
+        asked = self.stop_file is not None and reason in ASKED_FIRST
+        if asked and self.stop_file is not None and touch_beneath(self.stop_file.parent, self.stop_file.name):
+            delay = self.grace
         self._signal_at = self.clock() + delay
 
     def kill_after(self) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, cast
 
+from rank_contract.files import read_file
 from workers.engine.events import CheckpointEvent
 from workers.engine.hashed_file import HashedFileWriter, fsync_dir, sha256_file, xxh128_file
 
@@ -26,6 +27,8 @@ from workers.engine.hashed_file import HashedFileWriter, fsync_dir, sha256_file,
 _NAME = re.compile(r"ckpt-([0-9]{9})\.pt")
 _MAX_STEP = 10**9 - 1  # the most nine digits hold
 _TEMP_GLOB = ".ckpt-*.tmp-*"
+# A sidecar holds one digest and a name: anything longer is not one.
+_MAX_SIDECAR_BYTES = 4096
 # Unlinking a file frees its blocks, which takes time in proportion to its size: a pruned
 # checkpoint at least this big is renamed out of sight at once and unlinked by a background thread,
 # so the save does not wait; smaller ones go inline.
@@ -52,10 +55,11 @@ def best_marker(directory: str | os.PathLike[str]) -> Path:
 
 def read_best_step(directory: str | os.PathLike[str]) -> int | None:
     """The step the best marker names, if there is a marker and its checkpoint file; else None."""
-    try:
-        text = best_marker(directory).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
+    # The ranks write the folder: no link followed, a few bytes read at most (rank_contract.files).
+    data = read_file(best_marker(directory), limit=64)
+    if data is None:
         return None
+    text = data.decode("ascii", "replace").strip()
     if not text.isascii() or not text.isdigit():
         return None
     step = int(text)
@@ -87,7 +91,9 @@ def temp_files(directory: str | os.PathLike[str]) -> list[Path]:
 
 def sidecar_digest(sidecar: Path) -> str:
     """The digest a `sha256sum`/`xxhsum`-style sidecar records ("" for an empty file)."""
-    words = sidecar.read_text().split()
+    # Read as the ranks left it: no link followed, a bounded read (rank_contract.files).
+    data = read_file(sidecar, limit=_MAX_SIDECAR_BYTES) or b""
+    words = data.decode("ascii", "replace").split()
     return words[0] if words else ""
 
 
