@@ -20,6 +20,7 @@ from workers.engine.checkpoint import checkpoint_files
 
 MISMATCH = "InitCheckpointMismatch"
 MISSING = "InitCheckpointMissing"
+_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,11 @@ def verify(init: InitCheckpoint) -> JobError | None:
     f = open_beneath(init.path.parent, init.path.name)
     if f is None:
         return JobError(type=MISSING, message=f"{what} is gone: {init.path} is no regular file")
+    digest = hashlib.sha256()
     with f:
-        actual = hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    actual = digest.hexdigest()
     if actual != init.sha256:
         message = f"{what} does not verify: sha256 {actual} != {init.sha256} recorded at submit"
         return JobError(type=MISMATCH, message=message)

@@ -43,6 +43,7 @@ secret, secret_dir = sys.argv[1], sys.argv[2]
 run, out = os.environ["DPTRAIN_RUN_DIR"], os.environ["DPTRAIN_OUTPUT_DIR"]
 logs, events = os.path.join(run, "logs"), os.path.join(run, "events")
 print("hostile job started", flush=True)
+time.sleep(1.5)  # read by the worker before the log is replaced
 def plant(path, target):
     try:
         os.unlink(path)
@@ -52,12 +53,13 @@ def plant(path, target):
 # Its own log (the rank keeps writing to the unlinked file), new names, a folder named like a log.
 for path in ("rank0.log", "x.log", "launcher.log"):
     plant(os.path.join(logs, path), secret)
-plant(os.path.join(logs, "d.log"), secret_dir)
 for path in ("rank0.jsonl", "rank1.jsonl"):
     plant(os.path.join(events, path), secret)
 plant(os.path.join(out, "leak.txt"), secret)
 time.sleep(1.5)  # the worker reads its folders a few times meanwhile
-# Then the folders themselves, swapped for links to the host folder.
+# Then a link to a folder named like a log, and the folders themselves swapped for links to it.
+plant(os.path.join(logs, "d.log"), secret_dir)
+time.sleep(1.5)
 os.rename(logs, logs + ".old")
 os.symlink(secret_dir, logs)
 os.rename(events, events + ".old")
@@ -149,7 +151,7 @@ def test_links_planted_in_the_run_directory_never_show_a_host_file(
         f"{r}: {answers[r][:2000]}" for r in leaked
     )
     job = api.get(f"/v1/jobs/{job_id}").json()
-    assert job["status"] == JobStatus.SUCCEEDED.value, job
+    assert job["status"] == JobStatus.SUCCEEDED.value, (job["status"], job["error"])
     log = [item["line"] for item in api.get(f"/v1/jobs/{job_id}/logs?limit=10000").json()["items"]]
     assert "hostile job started" in log, log
     refused = [line for line in log if "was not read: it is a link or not a regular file" in line]
@@ -161,7 +163,7 @@ def test_a_log_flood_leaves_a_file_near_the_budget_and_the_stored_log_ends_with_
 ) -> None:
     job_id = _run(settings, FLOOD)
     job = api.get(f"/v1/jobs/{job_id}").json()
-    assert job["status"] == JobStatus.SUCCEEDED.value, job
+    assert job["status"] == JobStatus.SUCCEEDED.value, (job["status"], job["error"])
     on_disk = settings.artifacts / "jobs" / job_id / "attempt-1" / "node-0" / "logs" / "rank0.log"
     # The budget, plus one chunk the rank writes between two reads, plus one for a busy machine.
     bound = CAP + 2 * MIB
