@@ -7,13 +7,14 @@ regular file is skipped (and listed in `TailSet.refused`), never read.
 
 A log file is also kept near its budget on disk (`truncate_past`, DPTRAIN_MAX_LOG_BYTES_PER_JOB):
 once a file has handed over that many bytes, what it holds past them is counted, not read (the job's
-stored log is full by then), and the file is emptied each time it has been read to its end. The
-ranks write with O_APPEND, so their next line lands at the new start; a file on disk stays within
-the budget plus what the ranks write between two reads.
+stored log is full by then), and the file is emptied whenever it holds a chunk (1 MiB) past the
+budget. The ranks write with O_APPEND, so their next line lands at the new start: a file on disk
+stays within the budget, plus one chunk, plus what the ranks write between two reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 from dataclasses import dataclass, field
@@ -99,20 +100,23 @@ class Tail:
             self.pending = self._hold(rest)
         if budget is None or self.handed < budget:
             return
-        # Past the budget: count what is there, then empty the file so it stays near its budget.
+        # Past the budget: what follows is counted, not read into lines.
         scanned = 0
         while scanned < _SCAN_BYTES and (chunk := f.read(min(_CHUNK_BYTES, _SCAN_BYTES - scanned))):
             scanned += len(chunk)
             self.dropped_lines += chunk.count(b"\n")
+        self.offset += scanned
+        self.dropped_bytes += scanned
+        # Emptied once it holds a chunk past the budget (a small overflow stays, its lines counted
+        # exactly). Lines a rank appends between the last read and the truncation are counted in
+        # bytes alone, as is what lies past one read's scan.
         size = os.fstat(f.fileno()).st_size
-        try:
-            os.ftruncate(f.fileno(), 0)
-        except OSError:  # opened read-only (a worker that may not write the ranks' files): left as is
-            self.offset += scanned
-            self.dropped_bytes += scanned
+        if size < budget + _CHUNK_BYTES:
             return
-        self.dropped_bytes += max(0, size - self.offset)
-        self.offset = 0
+        with contextlib.suppress(OSError):  # opened read-only (a worker that may not write it): left as is
+            os.ftruncate(f.fileno(), 0)
+            self.dropped_bytes += max(0, size - self.offset)
+            self.offset = 0
 
     def take_dropped(self) -> tuple[int, int]:
         """(lines, bytes) cut from the file unread since the last call."""
