@@ -29,10 +29,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from api_schemas import JobError, JobSpec
+from rank_contract.files import create_beneath, read_beneath
 from service.config import Settings
 from service.jobs import requirements
 
 MANIFEST = "dptrain-env.json"
+_MAX_MANIFEST_BYTES = 1 << 16
 LOCK_POLL_SECONDS = 0.1
 ERROR_TYPE = "EnvironmentBuildFailed"
 MISSING_FILE = "RequirementsFileMissing"
@@ -134,9 +136,11 @@ def _lock(fd: int, kind: int, *, poll: Callable[[], bool]) -> None:
 
 def manifest(root: Path) -> dict[str, object] | None:
     """The manifest of a complete environment at `root`, None if there is none (absent or unfinished)."""
+    # The build ran the job's code as the ranks' user in this folder: no link followed, a bound read.
+    data = read_beneath(root, MANIFEST, limit=_MAX_MANIFEST_BYTES)
     try:
-        return json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
+        return json.loads(data) if data is not None else None
+    except ValueError:
         return None
 
 
@@ -175,19 +179,30 @@ def held(
                     raise
                 seconds = time.monotonic() - started
                 record = {"key": key, "bytes": _size(root), "build_seconds": round(seconds, 3)}
-                tmp = root / f".{MANIFEST}.tmp"
-                tmp.write_text(json.dumps(record))
-                os.chmod(tmp, 0o644)
-                tmp.replace(root / MANIFEST)
+                _write_manifest(root, record)
             fcntl.flock(fd, fcntl.LOCK_SH)
         # Least recently used: the manifest's mtime is the environment's last use.
         with contextlib.suppress(OSError):
-            os.utime(root / MANIFEST)
+            os.utime(root / MANIFEST, follow_symlinks=False)
         if not hit:
             evict(cache, max_bytes=max_bytes, keep=key)
         yield Environment(key=key, root=root, hit=hit, seconds=time.monotonic() - started)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _write_manifest(root: Path, record: dict[str, object]) -> None:
+    # The build's code owned `root` a moment ago and may have left a link (to a host file) or a FIFO
+    # under the temporary name: created beneath `root` without following one, its mode set on the fd.
+    tmp = f".{MANIFEST}.tmp"
+    f = create_beneath(root, tmp, append=False)
+    if f is None:
+        message = f"the build left {tmp} in the environment as a link or not a regular file"
+        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+    with f:
+        f.write(json.dumps(record).encode())
+        os.fchmod(f.fileno(), 0o644)
+    os.replace(root / tmp, root / MANIFEST)
 
 
 def cached(cache: Path) -> list[dict[str, object]]:
@@ -196,7 +211,7 @@ def cached(cache: Path) -> list[dict[str, object]]:
     for root in cache.iterdir() if cache.is_dir() else ():
         if root.is_dir() and (record := manifest(root)) is not None:
             with contextlib.suppress(OSError):
-                found.append({**record, "used_at": (root / MANIFEST).stat().st_mtime})
+                found.append({**record, "used_at": (root / MANIFEST).lstat().st_mtime})
     return found
 
 

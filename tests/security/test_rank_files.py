@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rank_contract.files import create_beneath, open_beneath, read_beneath, read_file, touch_beneath
+from workers import environments
 from workers.attempts import launcher_error
 from workers.rank_failure import from_hook_file, log_tail
 from workers.tail import Tail, TailSet
@@ -174,3 +175,27 @@ class TestRankSideReaders:
         (run_dir / "logs" / "launcher.log").symlink_to(secret[0])
         error = launcher_error(run_dir / "logs" / "launcher.log", rc=1, started=False)
         assert secret[1] not in (error.traceback or ""), error
+
+
+class TestEnvironmentBuild:
+    def test_a_link_left_by_the_build_is_never_written_nor_chmodded_through(self, tmp_path: Path) -> None:
+        # The build runs the job's code as the ranks' user in the environment's folder: a link it
+        # leaves under the manifest's temporary name must not make the worker write or chmod a host file.
+        host = tmp_path / "host-file"
+        host.write_text("host\n")
+        host.chmod(0o600)
+
+        def build(root: Path) -> None:
+            (root / f".{environments.MANIFEST}.tmp").symlink_to(host)
+
+        with (
+            pytest.raises(environments.EnvironmentFailed, match="as a link or not a regular file"),
+            environments.held(
+                cache=tmp_path / "cache", key="k", build=build, poll=lambda: True, max_bytes=1 << 30
+            ),
+        ):
+            pass
+        assert host.read_text() == "host\n", "the worker wrote through the build's link"
+        assert host.stat().st_mode & 0o777 == 0o600, (
+            "the worker chmodded the host file through the build's link"
+        )
