@@ -59,7 +59,7 @@ def verify(init: InitCheckpoint) -> JobError | None:
     # following a link, and must be a regular file (rank_contract.files).
     f = open_beneath(init.path.parent, init.path.name)
     if f is None:
-        return JobError(type=MISSING, message=f"{what} is gone: {init.path} is no regular file")
+        return JobError(type=MISSING, message=f"{what} is gone: {init.path} is missing or not a regular file")
     digest = hashlib.sha256()
     with f:
         while chunk := f.read(_CHUNK_BYTES):

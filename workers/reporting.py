@@ -90,7 +90,7 @@ class Reporter:
         self.run_dir = run_dir
         cap = max_log_bytes if max_log_bytes is not None else get_settings().max_log_bytes_per_job
         # The ranks write these folders: every file is opened beneath run_dir with no link followed
-        # (workers/tail.py), and a log file is emptied once it has handed over the job's whole budget.
+        # (workers/tail.py), and a log file past the job's whole budget is counted, not read, and emptied.
         self.events = TailSet(run_dir, "events", "rank*.jsonl")
         self.logs = TailSet(run_dir, "logs", "*.log", truncate_past=cap)
         self.state = RunState()

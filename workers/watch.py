@@ -66,8 +66,8 @@ class Watch:
         delay = 0.0
         # The ranks own the folder: a link or a FIFO put there is never written through. Unable to
         # ask: the signal still comes.
-        asked = self.stop_file is not None and reason in ASKED_FIRST
-        if asked and self.stop_file is not None and touch_beneath(self.stop_file.parent, self.stop_file.name):
+        ask = self.stop_file if reason in ASKED_FIRST else None
+        if ask is not None and touch_beneath(ask.parent, ask.name):
             delay = self.grace
         self._signal_at = self.clock() + delay
 
