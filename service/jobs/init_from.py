@@ -120,12 +120,22 @@ def pin(*, artifacts: Path, job_id: str, source: Checkpoint) -> Path:
 def _link_or_copy(src: BinaryIO, dest: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         dest.unlink()
+    folder = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         # linkat(2)'s way to link an open file (AT_SYMLINK_FOLLOW on its /proc/self/fd entry): the
-        # very file opened beneath the source's folder, whatever was renamed in there since.
-        os.link(f"/proc/self/fd/{src.fileno()}", dest, follow_symlinks=True)
+        # very file opened beneath the source's folder, whatever was renamed in there since. The
+        # folder's fd makes os.link call linkat (without one it calls link(2), which follows nothing).
+        os.link(
+            f"/proc/self/fd/{src.fileno()}",
+            dest.name,
+            src_dir_fd=folder,
+            dst_dir_fd=folder,
+            follow_symlinks=True,
+        )
     except OSError:
         # Another file system, no hard links, no /proc, or the file unlinked since the open (pruned):
         # a private copy of the open file's bytes does the same job.
         with os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
             shutil.copyfileobj(src, out)
+    finally:
+        os.close(folder)
