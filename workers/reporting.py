@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 FINAL_FLUSH_SECONDS = 300
 
 _RANK_FILE = re.compile(r"rank(\d+)\.")
+# How many checkpoint events an attempt's timeline names when their files are not there to list.
+NOTED_REFUSALS = 5
 
 
 def _rank_of(path: Path) -> int | None:
@@ -111,6 +113,7 @@ class Reporter:
         self.checkpoint_dir = checkpoint_dir
         self._checkpoints: list[dict[str, Any]] = []
         self._unchecked: list[CheckpointEvent] = []
+        self._refused = 0  # checkpoint events this attempt whose file was not there to list
         self._deleted: list[int] = []
         self._progress_dirty = False
         # Warnings for the timeline, noted on the entry that started this attempt.
@@ -194,7 +197,12 @@ class Reporter:
             size = self._checkpoint_file(event.step)
             if isinstance(size, str):
                 log.warning("job %s: checkpoint of step %d not listed: %s", self.job_id, event.step, size)
-                self._notes.append(f"checkpoint of step {event.step} not listed: {size}")
+                self._refused += 1
+                # A job that forges events by the million gets a few notes, not a million.
+                if self._refused <= NOTED_REFUSALS:
+                    self._notes.append(f"checkpoint of step {event.step} not listed: {size}")
+                elif self._refused == NOTED_REFUSALS + 1:
+                    self._notes.append("more checkpoint events not listed (see the worker's log)")
                 continue
             if size is None:
                 continue
