@@ -230,9 +230,10 @@ def save_checkpoint(state: Mapping[str, Any], step: int) -> str | None:
     if run is None or run.rank != 0:
         return None
     with run.lock:
-        saved = run.manager().save(_step(step), state)
+        # Announced before the older checkpoints are pruned: a kill in between never leaves the
+        # job's list naming files that are gone (CheckpointManager.save).
+        saved = run.manager().save(_step(step), state, announce=run.writer().emit)
         assert saved is not None  # rank 0, and every step is due (every_steps=1)
-        run.writer().emit(saved.event())
     return str(saved.path)
 
 

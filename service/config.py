@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     # (OutputTooLarge, not retried), naming the size and the limit.
     max_output_bytes_per_job: int = Field(10 << 30, ge=1)
     max_output_files_per_job: int = Field(10_000, ge=1)
+    # The most a job's checkpoint folder may hold (bytes, every entry: checkpoints, sidecars, temp
+    # files and whatever else its ranks put there; workers/checkpoint_cap.py), checked like the
+    # outputs: past it the job fails (CheckpointTooLarge, not retried), naming the size and the cap.
+    max_checkpoint_bytes_per_job: int = Field(50 << 30, ge=1)
 
     # Module prefixes whose `package.module:function` a job's `entrypoint` may name without uploaded
     # code (modules an operator installed on every worker), comma-separated.

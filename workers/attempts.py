@@ -77,6 +77,9 @@ NOT_RETRIED = frozenset(
         # The job's DPTRAIN_OUTPUT_DIR is over its limits (workers/outputs.py): the same script
         # writes the same outputs again.
         "OutputTooLarge",
+        # Its checkpoint folder is over DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB (workers/checkpoint_cap.py):
+        # the same saves fill it again.
+        "CheckpointTooLarge",
         # The job's init_from checkpoint is gone or not the bytes recorded at submit
         # (workers/init_checkpoint.py): a restart reads the same file.
         "InitCheckpointMismatch",

@@ -59,7 +59,8 @@ class Found:
     over: str | None = None
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """`n` bytes as a person reads them, with the exact count: `2.0 KiB (2048 bytes)`."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit} ({n} bytes)"
@@ -112,8 +113,8 @@ def measure(directory: Path, limits: Limits) -> Found:
 def _over(found: Found, limits: Limits) -> str | None:
     if found.total_bytes > limits.max_bytes:
         return (
-            f"the job's outputs (DPTRAIN_OUTPUT_DIR) hold at least {_size(found.total_bytes)}, "
-            f"over the limit of {_size(limits.max_bytes)} (DPTRAIN_MAX_OUTPUT_BYTES_PER_JOB)"
+            f"the job's outputs (DPTRAIN_OUTPUT_DIR) hold at least {size_text(found.total_bytes)}, "
+            f"over the limit of {size_text(limits.max_bytes)} (DPTRAIN_MAX_OUTPUT_BYTES_PER_JOB)"
         )
     if found.entries > limits.max_files:
         return (

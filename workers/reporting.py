@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError
+from rank_contract.checkpoints import checkpoint_name
 from service.config import get_settings
+from service.files import open_beneath
 from service.jobs import lifecycle, repository, stacks_repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
+from workers.checkpoint_rows import checkpoint_sizes
 from workers.engine.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -38,6 +43,8 @@ log = logging.getLogger(__name__)
 FINAL_FLUSH_SECONDS = 300
 
 _RANK_FILE = re.compile(r"rank(\d+)\.")
+# How many checkpoint events an attempt's timeline names when their files are not there to list.
+NOTED_REFUSALS = 5
 
 
 def _rank_of(path: Path) -> int | None:
@@ -82,6 +89,7 @@ class Reporter:
         run_dir: Path,
         max_log_bytes: int | None = None,
         nodes: int = 1,
+        checkpoint_dir: Path | None = None,
     ) -> None:
         self.sessions = sessions
         self.job_id = job_id
@@ -106,8 +114,13 @@ class Reporter:
         self._refused: set[str] = set()
         self.log_budget = LogBudget(cap=cap, job_id=job_id, attempt=attempt)
         self.nodes = nodes  # the attempt's nodes, which share what is left of the log cap
+        # The job's checkpoint folder, where a checkpoint event's file must be (None on a node other
+        # than rank 0's: its events list no checkpoint).
+        self.checkpoint_dir = checkpoint_dir
         self._checkpoints: list[dict[str, Any]] = []
-        self._deleted: list[str] = []
+        self._unchecked: list[CheckpointEvent] = []
+        self._refused = 0  # checkpoint events this attempt whose file was not there to list
+        self._deleted: list[int] = []
         self._progress_dirty = False
         # Warnings for the timeline, noted on the entry that started this attempt.
         self._notes: list[str] = []
@@ -165,20 +178,9 @@ class Reporter:
             self.state.step = max(self.state.step, event.start_iter)
             self._progress_dirty = True
         elif isinstance(event, CheckpointEvent):
-            self._checkpoints.append(
-                {
-                    "job_id": self.job_id,
-                    "attempt": self.attempt,
-                    "step": event.step,
-                    "path": event.path,
-                    "size_bytes": event.size_bytes,
-                    "sha256": event.sha256,
-                    "created_at": utcnow(),
-                    # Written in the batch's transaction with the previous best's flag cleared, so
-                    # the API never shows two best checkpoints, nor none while one exists.
-                    "best": event.best,
-                }
-            )
+            # Checked against the folder when the batch is written (`_check_checkpoints`): by then a
+            # later event of the batch may have pruned it, and a step pruned needs no look.
+            self._unchecked.append(event)
             self._deleted.extend(event.deleted)
         elif isinstance(event, FinishedEvent):
             self.state.finished = True
@@ -190,6 +192,71 @@ class Reporter:
             log.warning("job %s: %s", self.job_id, event.message)
             self.state.warnings.append(event)
             self._notes.append(event.message)
+
+    def _check_checkpoints(self) -> None:
+        """Turn the batch's checkpoint events into rows for the files that are really there.
+
+        A rank writes the events, so nothing in one is trusted: the file is the job's own
+        `<checkpoint folder>/<name of the step>`, never a path it names, and it must be a regular
+        file there (opened beneath the folder, no link followed) or the step gets no row, with a
+        warning in the job's timeline.
+        """
+        events, self._unchecked = self._unchecked, []
+        pruned = set(self._deleted)
+        for event in events:
+            if event.step in pruned:
+                continue  # pruned by a later save of the same batch (keep_last)
+            size = self._checkpoint_file(event.step)
+            if isinstance(size, str):
+                log.warning("job %s: checkpoint of step %d not listed: %s", self.job_id, event.step, size)
+                self._refused += 1
+                # A job that forges events by the million gets a few notes, not a million.
+                if self._refused <= NOTED_REFUSALS:
+                    self._notes.append(f"checkpoint of step {event.step} not listed: {size}")
+                elif self._refused == NOTED_REFUSALS + 1:
+                    self._notes.append("more checkpoint events not listed (see the worker's log)")
+                continue
+            if size is None:
+                continue
+            self._checkpoints.append(
+                {
+                    "job_id": self.job_id,
+                    "attempt": self.attempt,
+                    "step": event.step,
+                    # For operators: the API never opens it, it derives the file from job and step.
+                    "path": str(cast(Path, self.checkpoint_dir) / checkpoint_name(event.step)),
+                    "size_bytes": size,
+                    "sha256": event.sha256,
+                    "created_at": utcnow(),
+                    # Written in the batch's transaction with the previous best's flag cleared, so
+                    # the API never shows two best checkpoints, nor none while one exists.
+                    "best": event.best,
+                }
+            )
+
+    def _checkpoint_file(self, step: int) -> int | str | None:
+        """The size of the checkpoint file of `step` in the job's folder; else why it is not listed.
+
+        None: the file is gone but a newer checkpoint is there, as when keep_last pruned it since
+        the save; the later save's event (or the attempt's end) says so, nothing to warn of.
+        """
+        if self.checkpoint_dir is None:
+            return "reported by a node without the job's checkpoint folder"
+        try:
+            name = checkpoint_name(step)
+        except ValueError as exc:
+            return str(exc)
+        f = open_beneath(self.checkpoint_dir, name)
+        if f is not None:
+            with f:
+                return os.fstat(f.fileno()).st_size
+        try:
+            info = os.lstat(self.checkpoint_dir / name)
+        except OSError:
+            if any(s > step for s in checkpoint_sizes(self.checkpoint_dir)):
+                return None
+            return f"{name} is not in the job's checkpoint folder"
+        return f"{name} is not a regular file ({stat.filemode(info.st_mode)})"
 
     def _admit(self) -> None:
         self._logs.extend(self.log_budget.admit(self._incoming, final=self._final, unread=self._unread))
@@ -214,10 +281,12 @@ class Reporter:
         """Whether collected reports wait to be written."""
         logs = self._logs or self._incoming or self._unread != (0, 0)
         dirty = self._progress_dirty or bool(self._notes)
-        return bool(self._metrics or logs or self._checkpoints or self._deleted or dirty)
+        checkpoints = self._checkpoints or self._unchecked or self._deleted
+        return bool(self._metrics or logs or checkpoints or dirty)
 
     def flush(self) -> bool:
         """Write the pending batch and read the cancel flag; False (batch kept) if the database failed."""
+        self._check_checkpoints()
         try:
             with self.sessions.begin() as session:
                 if not self.log_budget.known:
@@ -226,7 +295,7 @@ class Reporter:
                 repository.add_log_lines(session, rows=self._logs)
                 for row in self._checkpoints:
                     repository.upsert_checkpoint(session, row=row)
-                repository.delete_checkpoints(session, job_id=self.job_id, paths=self._deleted)
+                repository.delete_checkpoints(session, job_id=self.job_id, steps=self._deleted)
                 # Only a change a client can see touches the job row (and so its updated_at, which
                 # ETags and event streams follow); a quiet tick just checks the fence.
                 values: dict[str, Any] = {}

@@ -29,6 +29,7 @@ from service.scheduling import repository as placement
 from workers import env_setup, init_checkpoint, sandbox
 from workers.acceptance import Unrunnable, accept
 from workers.attempts import WORKER_STOPPED, end_abnormally, finish, note_unsandboxed, record_outcome
+from workers.checkpoint_cap import CheckpointGuard
 from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
 from workers.engine.launch import torchrun_command
 from workers.environments import Aborted, EnvironmentFailed
@@ -142,7 +143,7 @@ def _supervise(
         error = JobError(type="CheckpointMissing", message=missing)
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
-        sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir)
+        sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir, attempt=max(1, att.number - 1))
     paths.write_spec(spec)
     try:
         setup = prepare(
@@ -200,6 +201,7 @@ def _launch(
         run_dir=paths.run_dir,
         max_log_bytes=settings.max_log_bytes_per_job,
         nodes=run.nnodes,
+        checkpoint_dir=paths.checkpoint_dir if run.is_primary else None,
     )
     max_runtime = spec.max_runtime_seconds
     deadline = time.monotonic() + max_runtime if max_runtime else None
@@ -209,8 +211,11 @@ def _launch(
         stop_file=stop_file(paths.run_dir) if spec.command is not None else None,
     )
     limits = Limits(max_bytes=settings.max_output_bytes_per_job, max_files=settings.max_output_files_per_job)
-    # Rank 0's node alone measures and records the outputs (rank 0 writes them; docs/code.md).
+    # Rank 0's node alone measures and records the outputs and the checkpoints (rank 0 writes them;
+    # docs/code.md).
     guard = Guard(paths.output_dir, limits) if run.is_primary else None
+    cap = settings.max_checkpoint_bytes_per_job
+    ckpt_guard = CheckpointGuard(paths.checkpoint_dir, cap=cap) if run.is_primary else None
     try:
         setup = env_setup.enter(
             hold, sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, reporter=reporter
@@ -232,19 +237,22 @@ def _launch(
             deadline=deadline,
             job_id=job_id,
             sandboxed=sandboxed,
-            guard=guard,
+            guards=(guard, ckpt_guard),
         )
     finally:
         kill_group(proc, sandboxed=sandboxed)
         if left := sweep_ranks(job_id, node=settings.node):
             log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
     final_flush(reporter, interval=settings.report_interval_seconds, job_id=job_id)
-    if guard is not None and watch.stopped_for != "fenced":
-        # The ranks are gone: what the outputs hold now is what this attempt leaves.
+    if guard is not None and ckpt_guard is not None and watch.stopped_for != "fenced":
+        # The ranks are gone: what the outputs and the checkpoint folder hold now is what this
+        # attempt leaves, and the job's checkpoint list says so whatever events a kill cut short.
+        _sync_at_end(sessions, run=run, paths=paths)
         over = record_outputs(
             sessions, job_id=job_id, attempt=paths.attempt, directory=paths.output_dir, limits=limits
         )
-        if (error := over or guard.error) is not None and not reporter.state.cancel_requested:
+        error = over or guard.error or ckpt_guard.at_end()
+        if error is not None and not reporter.state.cancel_requested:
             return end_abnormally(sessions, att=run.att, error=error)
     return record_outcome(
         sessions,
@@ -255,6 +263,14 @@ def _launch(
         paths=paths,
         max_runtime=max_runtime,
     )
+
+
+def _sync_at_end(sessions: sessionmaker[Session], *, run: NodeRun, paths: RunPaths) -> None:
+    """Reconcile the job's checkpoint rows with its files once this attempt's ranks are gone."""
+    try:
+        sync_checkpoints(sessions, att=run.att, directory=paths.checkpoint_dir, attempt=paths.attempt)
+    except Exception:  # noqa: BLE001 - the end state matters more; the next attempt's start syncs too
+        log.warning("job %s: reconciling its checkpoint rows failed", run.att.job_id, exc_info=True)
 
 
 def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetup) -> subprocess.Popen[bytes]:
@@ -339,7 +355,7 @@ def _watch(
     deadline: float | None,
     job_id: str,
     sandboxed: bool,
-    guard: Guard | None,
+    guards: tuple[Guard | None, CheckpointGuard | None],
 ) -> None:
     """Report what the ranks write while torchrun runs, and stop them when `watch` decides to."""
     stacks = StackWatch.of(reporter, node=settings.node)
@@ -358,7 +374,7 @@ def _watch(
         if reporter.flush() and watch.stopped_for is None:
             stacks.after_report(reporter.state)
         last_flush = time.monotonic()
-        if watch.stopped_for is None and (reason := _stop_reason(reporter, watch, deadline, guard)):
+        if watch.stopped_for is None and (reason := _stop_reason(reporter, watch, deadline, guards)):
             stacks.before_stop(reporter.state, reason)  # a stall: where each rank hangs
             watch.stop(reason)
             log.info("job %s: stopping its ranks (%s)", job_id, reason)
@@ -366,7 +382,12 @@ def _watch(
             stop_group(proc, grace=watch.kill_after(), sandboxed=sandboxed)
 
 
-def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None, guard: Guard | None) -> str | None:
+def _stop_reason(
+    reporter: Reporter,
+    watch: Watch,
+    deadline: float | None,
+    guards: tuple[Guard | None, CheckpointGuard | None],
+) -> str | None:
     """Why the ranks must stop now, if they must; the first reason that applies wins."""
     if reporter.state.cancel_requested:
         return "cancel"
@@ -378,6 +399,9 @@ def _stop_reason(reporter: Reporter, watch: Watch, deadline: float | None, guard
         return "deadline"
     if watch.stalled():
         return "stall"
-    if guard is not None and guard.over():
+    outputs, checkpoints = guards
+    if outputs is not None and outputs.over():
         return "outputs"
+    if checkpoints is not None and checkpoints.over():
+        return "checkpoints"
     return None

@@ -1,6 +1,7 @@
-"""Why and when a node stops its ranks: cancel, deadline, fencing, no progress (a stall), outputs.
+"""Why and when a node stops its ranks: cancel, deadline, fencing, a stall, outputs, checkpoints.
 
-Outputs: the job's DPTRAIN_OUTPUT_DIR went over its limits (workers/outputs.py).
+Outputs: the job's DPTRAIN_OUTPUT_DIR went over its limits (workers/outputs.py). Checkpoints: its
+checkpoint folder went over DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB (workers/checkpoint_cap.py).
 
 A hung rank never fails on its own (a collective waiting on a dead peer, a script blocked on I/O),
 so silence is a failure too: no step reported and no log line written for the job's
@@ -24,7 +25,8 @@ from rank_contract.env import stop_file
 from rank_contract.files import touch_beneath
 
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
-# owns the job; stall: nobody is listening; outputs: every second writes more) signal at once.
+# owns the job; stall: nobody is listening; outputs, checkpoints: every second writes more) signal
+# at once.
 ASKED_FIRST = frozenset({"cancel", "deadline"})
 # Set when this worker process begins to shut down (workers/celery_app.py): every run stops.
 stopping = threading.Event()

@@ -6,6 +6,10 @@ time, and survives the source's keep_last pruning and the removal of its folder.
 the new job's own folder (`jobs/<id>/init/`), with the checkpoint's sidecars, and the sha256 the
 source recorded is kept on the new job: its attempts verify the file against it before the first
 step (workers/init_checkpoint.py). A copy is made only where a link cannot be (another file system).
+
+The source file is the source job's checkpoint of that step in its own folder, opened there with
+no link followed (service.jobs.checkpoint_files), never the path its row holds; the link is made
+to that open file, so nothing swapped in after the open is pinned instead.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy.orm import Session
 
 from api_schemas import InitFrom
+from rank_contract.checkpoints import checkpoint_name
 from service.errors import NotFound, invalid_field
 from service.jobs import repository
+from service.jobs.checkpoint_files import open_checkpoint
 from service.models import Checkpoint, Job
 
 # The checkpoint's sidecars (workers/engine/checkpoint.py names them; the service never imports it).
@@ -46,7 +52,7 @@ def row_values(
         "init_job": source.id,
         "init_step": ckpt.step,
         "init_sha256": ckpt.sha256,
-        "init_path": str(pinned_dir(artifacts.resolve(), job_id) / Path(ckpt.path).name),
+        "init_path": str(pinned_dir(artifacts.resolve(), job_id) / checkpoint_name(ckpt.step)),
     }
 
 
@@ -90,34 +96,46 @@ def pinned_dir(artifacts: Path, job_id: str) -> Path:
 def pin(*, artifacts: Path, job_id: str, source: Checkpoint) -> Path:
     """Link (or copy) the source checkpoint and its sidecars into the new job's folder; the file's path.
 
-    A 422 when the file is gone meanwhile (pruned between the listing and now) or lies outside the
-    artifact root (never link what a row points at elsewhere).
+    A 422 when the source job's folder has no such file (pruned between the listing and now, or
+    never there: a row's stored path is not looked at).
     """
     root = artifacts.resolve()
-    src = Path(source.path).resolve()
-    if not src.is_relative_to(root) or not src.is_file():
+    name = checkpoint_name(source.step)
+    src = open_checkpoint(root, job_id=source.job_id, step=source.step)
+    if src is None:
         msg = f"the checkpoint of step {source.step} is no longer available (pruned meanwhile?)"
         raise invalid_field(_LOC, msg, source.job_id)
     folder = pinned_dir(root, job_id)
     folder.mkdir(parents=True, exist_ok=True)
-    for suffix in ("", *SIDECARS):
-        origin = src.with_name(src.name + suffix)
-        if suffix and not origin.exists():
-            continue
-        _link_or_copy(origin, folder / origin.name)
-    return folder / src.name
+    with src:
+        _link_or_copy(src, folder / name)
+    for suffix in SIDECARS:
+        sidecar = open_checkpoint(root, job_id=source.job_id, step=source.step, suffix=suffix)
+        if sidecar is not None:
+            with sidecar:
+                _link_or_copy(sidecar, folder / (name + suffix))
+    return folder / name
 
 
-def _link_or_copy(src: Path, dest: Path) -> None:
+def _link_or_copy(src: BinaryIO, dest: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         dest.unlink()
+    folder = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.link(src, dest)
-    except FileNotFoundError:
-        if src.suffix == ".pt":
-            msg = f"the checkpoint {src.name} is no longer available (pruned meanwhile?)"
-            raise invalid_field(_LOC, msg, src.name) from None
+        # linkat(2)'s way to link an open file (AT_SYMLINK_FOLLOW on its /proc/self/fd entry): the
+        # very file opened beneath the source's folder, whatever was renamed in there since. The
+        # folder's fd makes os.link call linkat (without one it calls link(2), which follows nothing).
+        os.link(
+            f"/proc/self/fd/{src.fileno()}",
+            dest.name,
+            src_dir_fd=folder,
+            dst_dir_fd=folder,
+            follow_symlinks=True,
+        )
     except OSError:
-        # Another file system, or one without hard links: a private copy does the same job.
-        shutil.copyfile(src, dest)
-        os.chmod(dest, 0o600)
+        # Another file system, no hard links, no /proc, or the file unlinked since the open (pruned):
+        # a private copy of the open file's bytes does the same job.
+        with os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+            shutil.copyfileobj(src, out)
+    finally:
+        os.close(folder)

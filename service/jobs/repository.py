@@ -296,10 +296,10 @@ def mark_best_checkpoint(session: Session, *, job_id: str, step: int | None) -> 
     )
 
 
-def delete_checkpoints(session: Session, *, job_id: str, paths: list[str]) -> None:
-    """Forget checkpoints whose files the engine removed (keep_last)."""
-    if paths:
-        session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.path.in_(paths)))
+def delete_checkpoints(session: Session, *, job_id: str, steps: list[int]) -> None:
+    """Forget the checkpoints of `steps`, whose files the engine removed (keep_last)."""
+    if steps:
+        session.execute(delete(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step.in_(steps)))
 
 
 def purge_history(session: Session, *, finished_before: datetime, limit: int = 100) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Header, Query, Request, Response, status
@@ -44,8 +43,8 @@ from service.errors import (
     invalid_field,
 )
 from service.etag import conditional, conditional_json
-from service.files import open_beneath
 from service.jobs import events, metrics_repository, policy, repository, service
+from service.jobs.checkpoint_files import open_checkpoint
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
 from service.params import CheckpointId, Int32, Int64, JobId, Text
@@ -339,11 +338,9 @@ def download_checkpoint(
 ) -> StreamingResponse:
     """The checkpoint file; open it with `torch.load(f, weights_only=True)`."""
     ckpt = service.get_checkpoint(session, user=user, job_id=job_id, checkpoint_id=checkpoint_id)
-    # Never a file outside the artifact root, nor through a link, whatever the row says: a rank
-    # may swap a link to another job's checkpoint in for its own file.
-    root = settings.artifacts
-    path = Path(ckpt.path)
-    f = open_beneath(root, path.relative_to(root).as_posix()) if path.is_relative_to(root) else None
+    # The file of this job and step in this job's own folder, never the row's path, nor through a
+    # link: a rank may swap a link to another job's checkpoint in for its own file.
+    f = open_checkpoint(settings.artifacts, job_id=ckpt.job_id, step=ckpt.step)
     if f is None:
         raise NotFound(f"checkpoint file of {checkpoint_id} is no longer available")
     return attachment(f, name=f"{job_id}-step{ckpt.step}.pt", headers={"X-Checkpoint-SHA256": ckpt.sha256})

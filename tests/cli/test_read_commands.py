@@ -82,7 +82,7 @@ def test_download_writes_the_checkpoint_of_a_step(api: TestClient, job_id: str, 
     root = Path(api.app.state.settings.artifacts)
     files = {}
     for step in (2, 4):
-        path = root / job_id / f"ckpt-{step}.pt"
+        path = root / "jobs" / job_id / "checkpoints" / f"ckpt-{step:09d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(f"state at {step}".encode())
         files[step] = path

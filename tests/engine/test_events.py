@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from api_schemas.recipes import MlpParams
 from workers.engine.batch_sampler import GlobalBatchSampler
+from workers.engine.checkpoint import checkpoint_name
 from workers.engine.config import configure
 from workers.engine.events import (
     CheckpointEvent,
@@ -58,7 +59,8 @@ def test_event_stream(equivalence_runs: dict[int, Any], equivalence_spec: dict[s
         assert 0 <= vals["data_wait_s"] <= vals["step_time_s"], vals
     ckpts = [e for e in events if e["type"] == "checkpoint"]
     assert [c["step"] for c in ckpts] == [steps], f"expected only the last-step checkpoint, got {ckpts}"
-    data = Path(ckpts[0]["path"]).read_bytes()
+    assert "path" not in ckpts[0], "a checkpoint event names a step, never a path"
+    data = (run.checkpoint_dir / checkpoint_name(steps)).read_bytes()
     assert ckpts[0]["sha256"] == hashlib.sha256(data).hexdigest(), "event sha256 differs from the file's"
     assert ckpts[0]["size_bytes"] == len(data) and ckpts[0]["deleted"] == []
     assert events[-1]["step"] == steps, f"expected finished at step {steps}, got {events[-1]}"
@@ -122,7 +124,7 @@ def _one_of_each(writer: EventWriter) -> list[Event]:
     events: list[Event] = [
         StartedEvent(world_size=2, start_iter=4, total_steps=10, device="cpu", backend="gloo"),
         MetricsEvent(step=5, values={"loss": 0.5, "lr": 0.1, "grad_norm": math.inf, "odd": math.nan}),
-        CheckpointEvent(step=6, path="/c/x.pt", size_bytes=9, sha256="a" * 64, deleted=["/c/y.pt"]),
+        CheckpointEvent(step=6, size_bytes=9, sha256="a" * 64, deleted=[4]),
         FinishedEvent(step=10),
         WarningEvent(rank=1, message="rank 1 was killed by SIGABRT after dptrain.finish()"),
     ]

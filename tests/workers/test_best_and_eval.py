@@ -52,15 +52,22 @@ def _saved(directory: Path, step: int, **fields: Any) -> CheckpointEvent:
     path.write_bytes(b"weights %d" % step)
     digest = f"{step:064d}"
     CheckpointManager.sidecar_for(path).write_text(f"{digest}  {path.name}\n")
-    return CheckpointEvent(step=step, path=str(path), size_bytes=path.stat().st_size, sha256=digest, **fields)
+    return CheckpointEvent(step=step, size_bytes=path.stat().st_size, sha256=digest, **fields)
 
 
 def _report(sessions: sessionmaker[Session], job_id: str, run_dir: Path, *events: Any) -> Reporter:
-    """Write `events` as rank 0 and ship them in one batch (one transaction)."""
+    """Write `events` as rank 0 and ship them in one batch (one transaction); files in run_dir/../ckpt."""
     writer = EventWriter(events_path(run_dir, 0), 0)
     writer.emit_many(list(events))
     writer.close()
-    reporter = Reporter(sessions=sessions, job_id=job_id, attempt=1, claim_token=TOKEN, run_dir=run_dir)
+    reporter = Reporter(
+        sessions=sessions,
+        job_id=job_id,
+        attempt=1,
+        claim_token=TOKEN,
+        run_dir=run_dir,
+        checkpoint_dir=run_dir.parent / "ckpt",
+    )
     reporter.collect()
     assert reporter.flush(), "the batch must commit"
     return reporter
@@ -80,8 +87,7 @@ def test_a_new_best_checkpoint_takes_the_mark_from_the_previous_one(api: TestCli
     # One batch: a best at step 2, a plain save at 4; then a new best at 6 that prunes step 4.
     _report(sessions, job_id, run_a, _saved(ckpt, 2, best=True), _saved(ckpt, 4))
     assert _best_steps(api, job_id) == [2], "a checkpoint saved as the best is listed best"
-    four = str(ckpt / checkpoint_name(4))
-    _report(sessions, job_id, run_b, _saved(ckpt, 6, best=True, deleted=[four]))
+    _report(sessions, job_id, run_b, _saved(ckpt, 6, best=True, deleted=[4]))
     items = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]
     assert [(c["step"], c["best"]) for c in items] == [(2, False), (6, True)], (
         f"expected the new best marked, the previous one cleared and the pruned one gone: {items}"
@@ -102,13 +108,13 @@ def test_the_resync_before_a_restart_takes_the_mark_from_the_best_step_file(
     _saved(ckpt, 6)
     best_marker(ckpt).write_text("4\n")
     att = Attempt(job_id=job_id, number=2, token=TOKEN, max_restarts=1)
-    sync_checkpoints(sessions, att=att, directory=ckpt)
+    sync_checkpoints(sessions, att=att, directory=ckpt, attempt=1)
     items = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]
     assert [(c["step"], c["best"]) for c in items] == [(2, False), (4, True), (6, False)], items
 
     # The best file pruned by hand (the marker now names nothing): no checkpoint is the best.
     (ckpt / checkpoint_name(4)).unlink()
-    sync_checkpoints(sessions, att=att, directory=ckpt)
+    sync_checkpoints(sessions, att=att, directory=ckpt, attempt=1)
     assert _best_steps(api, job_id) == [], "a marker naming a missing file marks nothing"
 
 

@@ -48,8 +48,7 @@ def _end_after_stop(
     events = EventWriter(paths.run_dir / "events" / "rank0.jsonl", rank=0)
     events.emit(StartedEvent(world_size=2, total_steps=STEPS, device="cpu", backend="gloo"))
     events.emit(MetricsEvent(step=last_step, values={"loss": 0.5}))
-    ckpt = str(paths.checkpoint_dir / f"ckpt-{last_step}.pt")
-    events.emit(CheckpointEvent(step=last_step, path=ckpt, size_bytes=1, sha256="0" * 64))
+    events.emit(CheckpointEvent(step=last_step, size_bytes=1, sha256="0" * 64))
     if finished:
         events.emit(FinishedEvent(step=last_step))
     events.close()

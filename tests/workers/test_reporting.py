@@ -39,19 +39,21 @@ def test_events_and_logs_become_rows_and_nan_does_not_block_the_batch(
         {"type": "started", "start_iter": 0, "time": 1.0},
         {"type": "metrics", "step": 1, "values": {"loss": 2.0, "lr": 0.1}, "time": 2.0},
         {"type": "metrics", "step": 2, "values": {"loss": float("nan"), "lr": 0.1}, "time": 3.0},
-        {
-            "type": "checkpoint",
-            "step": 2,
-            "path": "/x/ckpt-2.pt",
-            "size_bytes": 9,
-            "sha256": "c" * 64,
-            "time": 4.0,
-        },
+        {"type": "checkpoint", "step": 2, "size_bytes": 9, "sha256": "c" * 64, "time": 4.0},
     ]
     (tmp_path / "events" / "rank0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (tmp_path / "logs" / "rank1.log").write_text("hello\npartial")
+    (ckpts := tmp_path / "checkpoints").mkdir()
+    (ckpts / checkpoint_name(2)).write_bytes(b"x" * 9)
 
-    reporter = Reporter(sessions=sessions, job_id=job_id, attempt=1, claim_token="t" * 32, run_dir=tmp_path)
+    reporter = Reporter(
+        sessions=sessions,
+        job_id=job_id,
+        attempt=1,
+        claim_token="t" * 32,
+        run_dir=tmp_path,
+        checkpoint_dir=ckpts,
+    )
     reporter.collect()
     assert reporter.flush(), "a batch with a NaN value must still commit"
 
@@ -100,15 +102,16 @@ def test_every_event_a_rank_writes_reaches_the_reporter(
     client: TestClient, sessions: sessionmaker[Session], db: Session, tmp_path: Path
 ) -> None:
     job_id = _running(client, db)
-    pruned, saved = tmp_path / checkpoint_name(2), tmp_path / checkpoint_name(6)
+    ckpts = tmp_path / "checkpoints"
+    pruned, saved = ckpts / checkpoint_name(2), ckpts / checkpoint_name(6)
     db.add(Checkpoint(job_id=job_id, attempt=1, step=2, path=str(pruned), size_bytes=1, sha256="0" * 64))
     db.commit()
+    ckpts.mkdir()
+    saved.write_bytes(b"x" * 9)
     writer = EventWriter(events_path(tmp_path, 0), 0)
     writer.emit(StartedEvent(world_size=2, start_iter=4, total_steps=10, device="cpu", backend="gloo"))
     writer.emit_many([MetricsEvent(step=s, values={"loss": 1 / s, "lr": 0.1}) for s in (5, 6)])
-    writer.emit(
-        CheckpointEvent(step=6, path=str(saved), size_bytes=9, sha256="a" * 64, deleted=[str(pruned)])
-    )
+    writer.emit(CheckpointEvent(step=6, size_bytes=9, sha256="a" * 64, deleted=[2]))
     writer.emit(FinishedEvent(step=10))
     try:
         raise ValueError("bad hyperparameter")
@@ -116,7 +119,14 @@ def test_every_event_a_rank_writes_reaches_the_reporter(
         writer.error(exc)
     writer.close()
 
-    reporter = Reporter(sessions=sessions, job_id=job_id, attempt=1, claim_token="t" * 32, run_dir=tmp_path)
+    reporter = Reporter(
+        sessions=sessions,
+        job_id=job_id,
+        attempt=1,
+        claim_token="t" * 32,
+        run_dir=tmp_path,
+        checkpoint_dir=ckpts,
+    )
     reporter.collect()
     assert reporter.flush()
 

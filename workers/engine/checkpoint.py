@@ -1,31 +1,29 @@
 """Atomic, verified, retained checkpoints (`ckpt-{step:09d}.pt` + sha256sum- and xxhsum-style sidecars).
 
-The names of checkpoint files, of their sidecars and of temp files, and the step a name stands for,
-are defined here and nowhere else. torch is imported only where a checkpoint is written or read, so
-that the Celery worker process, which lists and matches checkpoint files between attempts
-(`workers/checkpoint_rows.py`), can use the same functions without loading torch.
+The names of sidecars and of temp files are defined here and nowhere else; the names of checkpoint
+files and the step a name stands for live in `rank_contract.checkpoints` (re-exported here), which
+the API reads too. torch is imported only where a checkpoint is written or read, so that the Celery
+worker process, which lists and matches checkpoint files (`workers/checkpoint_rows.py`), can use
+the same functions without loading torch.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, cast
 
+from rank_contract.checkpoints import MAX_STEP, checkpoint_name, step_of  # noqa: F401 - re-exported
 from rank_contract.files import read_file
 from workers.engine.events import CheckpointEvent
 from workers.engine.hashed_file import HashedFileWriter, fsync_dir, sha256_file, xxh128_file
 
-# ASCII digits only (`\d` takes any Unicode digit), matched whole (`$` also matches before a newline).
-_NAME = re.compile(r"ckpt-([0-9]{9})\.pt")
-_MAX_STEP = 10**9 - 1  # the most nine digits hold
 _TEMP_GLOB = ".ckpt-*.tmp-*"
 # A sidecar holds one digest and a name: anything longer is not one.
 _MAX_SIDECAR_BYTES = 4096
@@ -33,19 +31,6 @@ _MAX_SIDECAR_BYTES = 4096
 # checkpoint at least this big is renamed out of sight at once and unlinked by a background thread,
 # so the save does not wait; smaller ones go inline.
 _UNLINK_IN_BACKGROUND_BYTES = 64 << 20
-
-
-def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint taken after `step` optimizer steps."""
-    if not 0 <= step <= _MAX_STEP:
-        raise ValueError(f"no checkpoint name for step {step}: steps run from 0 to {_MAX_STEP}")
-    return f"ckpt-{step:09d}.pt"
-
-
-def step_of(path: str | os.PathLike[str]) -> int | None:
-    """The step of a checkpoint file's name; None for any other file (sidecars and temp files included)."""
-    m = _NAME.fullmatch(Path(path).name)
-    return int(m.group(1)) if m else None
 
 
 def best_marker(directory: str | os.PathLike[str]) -> Path:
@@ -63,7 +48,7 @@ def read_best_step(directory: str | os.PathLike[str]) -> int | None:
     if not text.isascii() or not text.isdigit():
         return None
     step = int(text)
-    return step if step <= _MAX_STEP and (Path(directory) / checkpoint_name(step)).exists() else None
+    return step if step <= MAX_STEP and (Path(directory) / checkpoint_name(step)).exists() else None
 
 
 def checkpoint_files(directory: str | os.PathLike[str]) -> dict[int, Path]:
@@ -146,10 +131,9 @@ class SavedCheckpoint:
         """The event that tells the runner of this save (a job checkpoint row, and the pruned ones gone)."""
         return CheckpointEvent(
             step=self.step,
-            path=str(self.path),
             size_bytes=self.size_bytes,
             sha256=self.sha256,
-            deleted=[str(p) for p in self.deleted],
+            deleted=[s for p in self.deleted if (s := step_of(p)) is not None],
             best=self.best,
         )
 
@@ -243,12 +227,20 @@ class CheckpointManager:
         return last or step % self.every_steps == 0
 
     def save(
-        self, step: int, state: Mapping[str, Any], last: bool = False, *, best: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        last: bool = False,
+        *,
+        best: bool = False,
+        announce: Callable[[CheckpointEvent], None] | None = None,
     ) -> SavedCheckpoint | None:
         """Write `state` for `step` if due or `best` (and on rank 0); returns what was written, else None.
 
         `best`: this is the best checkpoint so far (set `self.best` first): the marker names it, and
-        pruning keeps it besides the newest `keep_last`.
+        pruning keeps it besides the newest `keep_last`. `announce` gets the save's event once the
+        file is in place and before the older ones are pruned: a kill in between then leaves files
+        not yet listed, which the worker lists at the attempt's end, never listed ones that are gone.
         """
         if not self.is_main or not (best or self.should_save(step, last)):
             return None
@@ -273,14 +265,18 @@ class CheckpointManager:
             # After the file: the marker never names a checkpoint that is not there yet.
             _write_atomic(best_marker(self.directory), f"{step}\n".encode())
         fsync_dir(self.directory)
-        return SavedCheckpoint(
+        saved = SavedCheckpoint(
             step=step,
             path=path,
             size_bytes=digests.size,
             sha256=digests.sha256,
-            deleted=self._prune(),
+            deleted=[self.path_for(s) for s in self._doomed()],
             best=best,
         )
+        if announce is not None:
+            announce(saved.event())
+        self._prune(saved.deleted)
+        return saved
 
     @staticmethod
     def sidecar_for(path: Path) -> Path:
@@ -305,22 +301,20 @@ class CheckpointManager:
         """Both sidecars of a checkpoint: (`.sha256`, `.xxh128`)."""
         return CheckpointManager.sidecar_for(path), CheckpointManager.fast_sidecar_for(path)
 
-    def _prune(self) -> list[Path]:
+    def _doomed(self) -> list[int]:
+        """The steps pruning removes now: all but the newest `keep_last` and the best."""
         steps = self.steps()
-        deleted = []
         keep = self.best[0] if self.best is not None else None
-        for step in steps[: max(0, len(steps) - self.keep_last)]:
-            if step == keep:
-                continue
-            path = self.path_for(step)
+        return [step for step in steps[: max(0, len(steps) - self.keep_last)] if step != keep]
+
+    def _prune(self, paths: list[Path]) -> None:
+        for path in paths:
             self._remove(path)
             # After the file: never a checkpoint without its sidecars.
             for sidecar in self.sidecars(path):
                 sidecar.unlink(missing_ok=True)
-            deleted.append(path)
-        if deleted:
+        if paths:
             fsync_dir(self.directory)
-        return deleted
 
     def _remove(self, path: Path) -> None:
         try:

@@ -51,14 +51,19 @@ class MetricsEvent(_Event):
 
 
 class CheckpointEvent(_Event):
-    """Rank 0 saved the checkpoint of `step` and pruned the older ones in `deleted`."""
+    """Rank 0 saved the checkpoint of `step` and is about to prune the older ones of the steps in `deleted`.
+
+    No path: the worker derives the file from the job's checkpoint folder and the step
+    (rank_contract.checkpoints) and lists it only if it is a regular file there, whatever a rank wrote.
+    Written before the pruning, so a kill in between leaves files the event did not list yet
+    (the attempt's end reconciles them), never listed steps whose files are gone.
+    """
 
     type: Literal["checkpoint"] = "checkpoint"
     step: int
-    path: str
     size_bytes: int
     sha256: str
-    deleted: list[str] = Field(default_factory=list)
+    deleted: list[int] = Field(default_factory=list)
     # checkpoint.keep_best: this save is the job's best so far (the previous best is no longer).
     best: bool = False
 

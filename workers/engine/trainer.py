@@ -395,7 +395,5 @@ class Trainer:
         return keep is not None and self.checkpoints.consider_best(self.iter, figures, keep.metric)
 
     def _save(self, last: bool, best: bool = False) -> None:
-        saved = self.checkpoints.save(self.iter, self.state_dict(), last=last, best=best)
-        if saved is None:
-            return
-        self.events.emit(saved.event())
+        # The event goes out before the older checkpoints are pruned (CheckpointManager.save).
+        self.checkpoints.save(self.iter, self.state_dict(), last=last, best=best, announce=self.events.emit)
