@@ -198,6 +198,7 @@ def _launch(
         claim_token=run.att.token,
         run_dir=paths.run_dir,
         max_log_bytes=settings.max_log_bytes_per_job,
+        max_metric_points=settings.max_metric_points_per_job,
         nodes=run.nnodes,
     )
     max_runtime = spec.max_runtime_seconds
