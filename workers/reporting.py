@@ -174,6 +174,7 @@ class Reporter:
         # Rows the database refused to store (dropped), and whether the timeline says so yet.
         self.refused_rows = 0
         self._refusal_noted = False
+        self._step_only = False  # a progress write leaves out the latest metrics (they were refused)
 
     def collect(self, *, final: bool = False) -> int:
         """Read new lines from the ranks' files into the pending batch; returns how many there were."""
@@ -343,6 +344,8 @@ class Reporter:
         values: dict[str, Any] = {}
         if progress and self._progress_dirty:
             values = {"step": self.state.step, "latest_metrics": dict(self.state.latest_metrics)}
+            if self._step_only:
+                del values["latest_metrics"]
         if not repository.fenced_update(
             session, job_id=self.job_id, claim_token=self.claim_token, values=values
         ):
@@ -377,7 +380,7 @@ class Reporter:
                         log.warning("job %s: reporting to the database failed; will retry", self.job_id)
                         return False
                     if len(part) == 1:
-                        self._refused(part[0], exc)
+                        self._refused(kind, part[0], exc)
                         continue
                     half = len(part) // 2
                     parts.extendleft([part[half:], part[:half]])
@@ -386,9 +389,12 @@ class Reporter:
         self._keep({})
         return self._flush_progress()
 
-    def _refused(self, row: Any, exc: BaseException) -> None:
+    def _refused(self, kind: str, row: Any, exc: BaseException) -> None:
         """Drop a row the database refused; the job's timeline says so the first time."""
         self.refused_rows += 1
+        if kind == "metrics":
+            # Its name would be refused in the latest metrics too.
+            self.state.latest_metrics.pop(row["name"], None)
         why = _first_line(exc)
         log.warning("job %s: the database refused a report, dropped (%s): %.300r", self.job_id, why, row)
         if not self._refusal_noted:
@@ -401,24 +407,28 @@ class Reporter:
             )
 
     def _flush_progress(self) -> bool:
-        """Write the progress and the notes, then the notes alone, then nothing: whatever is not refused."""
-        for attempt in ("all", "notes", "flags"):
-            try:
-                with self.sessions.begin() as session:
-                    self._write(session, {}, progress=True)
-                return True
-            except Exception as exc:  # noqa: BLE001 - sorted below: a refusal, or an outage
-                if not refused(exc):
-                    return False
-                why = _first_line(exc)
-                log.warning(
-                    "job %s: the database refused the job's progress (%s): %s", self.job_id, attempt, why
-                )
-                if attempt == "all":
-                    self._progress_dirty = False
-                else:
-                    self._notes = []
-        return False
+        """Write the progress and the notes, giving up on what is refused: latest metrics, step, notes."""
+        try:
+            for attempt in ("all", "step", "notes", "flags"):
+                self._step_only = attempt == "step"
+                try:
+                    with self.sessions.begin() as session:
+                        self._write(session, {}, progress=True)
+                    return True
+                except Exception as exc:  # noqa: BLE001 - sorted below: a refusal, or an outage
+                    if not refused(exc):
+                        return False
+                    why = _first_line(exc)
+                    log.warning(
+                        "job %s: the database refused its progress (%s): %s", self.job_id, attempt, why
+                    )
+                    if attempt == "step":
+                        self._progress_dirty = False
+                    elif attempt == "notes":
+                        self._notes = []
+            return False
+        finally:
+            self._step_only = False
 
     def _read_flags(self) -> None:
         """Read the cancel flag and a stacks request in a transaction of their own (the batch failed)."""
