@@ -41,6 +41,11 @@ class MetricBudget:
         """Whether `start` ran, so points can be admitted."""
         return self.limit is not None
 
+    @property
+    def full(self) -> bool:
+        """Whether this node may store no more points."""
+        return self.limit is not None and self.used >= self.limit
+
     def admit(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The rows to store of `rows`, in order: the first ones, while the limit allows."""
         assert self.limit is not None, "start() first"

@@ -223,12 +223,15 @@ class Reporter:
                 {"job_id": self.job_id, "attempt": self.attempt, "name": k, "step": step, "value": v}
                 for k, v in values.items()
             )
-            self.state.latest_metrics.update(values)
+            latest = self.state.latest_metrics
+            if self.metric_budget.full:
+                # Nor does a new name join the latest metrics past the budget: the job's row stays bounded.
+                values = {k: v for k, v in values.items() if k in latest}
+            latest.update(values)
             self._progress(step)
         elif isinstance(event, StartedEvent):
             self.state.started = True
             self._progress(event.start_iter)
-            self._progress_dirty = True
         elif isinstance(event, CheckpointEvent):
             self._checkpoints.append(
                 {
