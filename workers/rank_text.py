@@ -40,6 +40,11 @@ def escape_text(text: str, *, newlines: bool = False) -> str:
     return pattern.sub(_escaped, text)
 
 
+def is_clean(text: str) -> bool:
+    """Whether `escape_text(text)` (one line) would leave `text` as it is."""
+    return _UNSAFE.search(text) is None
+
+
 def escape_strings(value: Any) -> Any:
     """`value` (JSON-like: dicts, lists, strings, numbers) with `escape_text` applied to every string.
 

@@ -42,7 +42,7 @@ from workers.engine.events import (
 )
 from workers.log_budget import LogBudget
 from workers.metric_budget import MetricBudget
-from workers.rank_text import escape_strings, escape_text
+from workers.rank_text import escape_strings, escape_text, is_clean
 from workers.tail import TailSet
 from workers.watch import SHUTDOWN_GRACE_SECONDS, stopping
 
@@ -91,10 +91,10 @@ def refused(exc: BaseException) -> bool:
 def escape_event(event: Event) -> Event:
     """`event` with every string it carries escaped (workers/rank_text.py); a metric name also cut to fit."""
     if isinstance(event, MetricsEvent):
-        # The hot path: one scan per name, and the same event back when every name is clean.
-        names = {k: escape_text(k)[:METRIC_NAME_CHARS] for k in event.values}
-        if all(k == v for k, v in names.items()):
+        # The hot path: one scan of all the names, and the same event back when they are clean.
+        if is_clean("".join(event.values)) and all(len(k) <= METRIC_NAME_CHARS for k in event.values):
             return event
+        names = {k: escape_text(k)[:METRIC_NAME_CHARS] for k in event.values}
         values: dict[str, float] = {}
         for k, v in event.values.items():
             values[names[k]] = v  # two names escaped or cut to one: the last value wins, as in a dict

@@ -9,6 +9,8 @@ rest of its batch stored; an outage still keeps the batch; a cancel is read what
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from api_schemas import JobStatus
 from service.db import make_engine
 from service.models import Job, JobTransition, LogLine, Metric
 from tests.conftest import free_port, job_spec
-from workers import attempts, reporting
+from workers import attempts, reporting, watch
 from workers.engine.events import events_path
 from workers.node_run import Attempt
 from workers.reporting import Reporter
@@ -191,3 +193,28 @@ def test_a_cancel_is_read_even_when_the_batch_cannot_be_written(
     monkeypatch.setattr(reporting.repository, "add_metrics", broken)
     assert not reporter.flush(), "the batch is kept"
     assert reporter.state.cancel_requested, "the owner's cancel is seen all the same"
+
+
+def test_a_stopping_worker_gives_up_on_the_last_reports_within_seconds(
+    client: TestClient, db: Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = _running(client, db)
+    down = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x?connect_timeout=2")
+    reporter = _reporter(sessionmaker(down), job_id, tmp_path)
+    _append(tmp_path, log=b"last words\n")
+    monkeypatch.setattr(watch.stopping, "is_set", lambda: True)  # SIGTERM reached the worker
+    done = threading.Event()
+
+    def last_reports() -> None:
+        reporting.final_flush(reporter, interval=0.2, job_id=job_id)
+        done.set()
+
+    started = time.monotonic()
+    threading.Thread(target=last_reports, daemon=True).start()
+    finished = done.wait(30)
+    if not finished:
+        monkeypatch.setattr(reporter, "flush", lambda: True)  # end the loop, so the failure reads clean
+        done.wait(30)
+    assert finished, "a worker told to stop waited on an unreachable database for its last reports"
+    assert time.monotonic() - started < 15
+    down.dispose()
