@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 FINAL_FLUSH_SECONDS = 300
 
 _RANK_FILE = re.compile(r"rank(\d+)\.")
+# The ranks' warnings noted on an attempt's timeline entry; later ones go to the worker's log only.
+MAX_WARNING_NOTES = 20
 # What the columns hold: a metric's name (cut to it), its step (BIGINT: a point outside is not
 # stored) and the job's progress (`jobs.step`, an INTEGER: progress stops at its top).
 METRIC_NAME_CHARS: int = Metric.__table__.c.name.type.length  # type: ignore[attr-defined]
@@ -175,6 +177,7 @@ class Reporter:
         self.refused_rows = 0
         self._refusal_noted = False
         self._step_only = False  # a progress write leaves out the latest metrics (they were refused)
+        self._warnings_cut = False  # MAX_WARNING_NOTES reached
 
     def collect(self, *, final: bool = False) -> int:
         """Read new lines from the ranks' files into the pending batch; returns how many there were."""
@@ -191,7 +194,7 @@ class Reporter:
         for path, line in self.events.read(final=final):
             seen += 1
             try:
-                event = parse_event(line)
+                event = escape_event(parse_event(line))
             except ValidationError as exc:
                 # Skipped, never fatal: a line cut by a rank's crash, or one this runner cannot read.
                 why = describe(exc, limit=1)
@@ -199,7 +202,7 @@ class Reporter:
                     "job %s: skipped an event in %s (%s): %r", self.job_id, path.name, why, line[:200]
                 )
                 continue
-            self._apply(escape_event(event))
+            self._apply(event)
         if self.metric_budget.known:
             self._admit_metrics()
         return seen
@@ -255,8 +258,13 @@ class Reporter:
             self.state.errors.append(event)
         elif isinstance(event, WarningEvent):
             log.warning("job %s: %s", self.job_id, event.message)
-            self.state.warnings.append(event)
-            self._notes.append(event.message)
+            # Each note lengthens one timeline row: a rank writing warnings without end must not.
+            if len(self.state.warnings) < MAX_WARNING_NOTES:
+                self.state.warnings.append(event)
+                self._notes.append(event.message)
+            elif not self._warnings_cut:
+                self._warnings_cut = True
+                self._notes.append(f"further warnings of attempt {self.attempt} are in the worker's log only")
 
     def _progress(self, step: int) -> None:
         self.state.step = max(self.state.step, min(step, _MAX_PROGRESS))
@@ -305,7 +313,7 @@ class Reporter:
                 self.job_id,
                 _first_line(exc),
             )
-            if not self._flush_in_parts(exc):
+            if not self._flush_in_parts():
                 self._read_flags()
                 return False
         self._keep({})
@@ -361,7 +369,7 @@ class Reporter:
                 lifecycle.note_running(session, job_id=self.job_id, attempt=self.attempt, note=note)
             self._read_flags_in(session)
 
-    def _flush_in_parts(self, first: BaseException) -> bool:
+    def _flush_in_parts(self) -> bool:
         """Write the pending batch a part at a time, halving a refused part down to the rows refused.
 
         The refused rows are dropped, and the job's timeline says so once. False if the database

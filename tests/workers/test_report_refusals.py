@@ -218,3 +218,18 @@ def test_a_stopping_worker_gives_up_on_the_last_reports_within_seconds(
     assert finished, "a worker told to stop waited on an unreachable database for its last reports"
     assert time.monotonic() - started < 15
     down.dispose()
+
+
+def test_warnings_without_end_add_a_bounded_number_of_notes_to_the_timeline(
+    client: TestClient, sessions: sessionmaker[Session], db: Session, tmp_path: Path
+) -> None:
+    job_id = _running(client, db)
+    reporter = _reporter(sessions, job_id, tmp_path)
+    _append(tmp_path, events=[{"type": "warning", "rank": 0, "message": f"w{i}"} for i in range(500)])
+    reporter.collect()
+    assert reporter.flush()
+    notes = _reason(db, job_id).split("; ")
+    assert notes[: reporting.MAX_WARNING_NOTES] == [f"w{i}" for i in range(reporting.MAX_WARNING_NOTES)]
+    assert notes[reporting.MAX_WARNING_NOTES :] == [
+        "further warnings of attempt 1 are in the worker's log only"
+    ]
