@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     # past it a worker drops further lines, with a line saying so and, at the end of the attempt, one
     # counting what was dropped. One line keeps at most 8000 characters (the rest is cut, and says so).
     max_log_bytes_per_job: int = Field(64 << 20, ge=1024)
+    # The most metric points a job stores (all attempts and nodes together); past it a worker drops
+    # further points, saying so once on the job's timeline and in its log, and the job runs on. Also
+    # what bounds an answer to a metrics read without `max_points`.
+    max_metric_points_per_job: int = Field(1_000_000, ge=1)
     # The most a job's DPTRAIN_OUTPUT_DIR may hold (bytes; names: files, folders, links), checked every few
     # seconds while its ranks run and at each attempt's end: past either the job fails
     # (OutputTooLarge, not retried), naming the size and the limit.

@@ -14,6 +14,7 @@ from rank_contract.files import read_file
 from service.jobs import lifecycle
 from workers.engine.events import TRACEBACK_TAIL_LINES
 from workers.node_run import Attempt, NodeRun, RunPaths
+from workers.rank_text import escape_strings, escape_text
 
 if TYPE_CHECKING:
     from workers.reporting import Reporter
@@ -162,8 +163,12 @@ def finish(
 
     False if the attempt no longer owned the job (its lease was taken away): nothing is written.
     """
-    # The one place a job's `error` column is written from (placement's claim only clears it).
-    values = {**(values or {}), **({"error": error.model_dump()} if error else {})}
+    # The one place a job's `error` column is written from (placement's claim only clears it). Its
+    # text is a rank's (a message, a traceback, what torchrun's error file said): escaped, so that
+    # the database takes it and a terminal shows it (workers/rank_text.py).
+    values = {**(values or {}), **({"error": escape_strings(error.model_dump())} if error else {})}
+    reason = reason or (error.message if error else None)
+    reason = escape_text(reason, newlines=True) if reason is not None else None
     delay = 0.5
     give_up = time.monotonic() + FINISH_RETRY_SECONDS
     while True:
@@ -175,7 +180,7 @@ def finish(
                     src=JobStatus.RUNNING,
                     dst=dst,
                     claim_token=token,
-                    reason=reason or (error.message if error else None),
+                    reason=reason,
                     values=values,
                 )
             return done is not None

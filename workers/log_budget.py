@@ -14,6 +14,15 @@ from typing import Any
 CAP_SETTING = "DPTRAIN_MAX_LOG_BYTES_PER_JOB"
 
 
+def node_share(*, cap: int, stored: int, nodes: int) -> int:
+    """What one of an attempt's `nodes` may bring the job's total to, given what it has `stored`.
+
+    Each node adds an equal share of what is left, so nodes that each read the total at their own
+    start never add up to more than the cap between them.
+    """
+    return stored + max(0, cap - stored) // max(1, nodes)
+
+
 def line_bytes(line: str) -> int:
     """The bytes a line takes in the database (UTF-8)."""
     return len(line.encode("utf-8", "replace"))
@@ -35,13 +44,9 @@ class LogBudget:
     _full: bool = field(default=False, repr=False)
 
     def start(self, *, stored: int, nodes: int) -> None:
-        """Set the limit from what the job has stored before (earlier attempts, nodes that began first).
-
-        Each of an attempt's `nodes` may add an equal share of what is left, so nodes that each read
-        the total at their own start never add up to more than the cap between them.
-        """
+        """Set the limit from what the job has stored before (earlier attempts, nodes that began first)."""
         self.used = stored
-        self.limit = stored + max(0, self.cap - stored) // max(1, nodes)
+        self.limit = node_share(cap=self.cap, stored=stored, nodes=nodes)
 
     @property
     def known(self) -> bool:

@@ -200,6 +200,7 @@ def _launch(
         claim_token=run.att.token,
         run_dir=paths.run_dir,
         max_log_bytes=settings.max_log_bytes_per_job,
+        max_metric_points=settings.max_metric_points_per_job,
         nodes=run.nnodes,
         checkpoint_dir=paths.checkpoint_dir if run.is_primary else None,
     )

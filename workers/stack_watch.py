@@ -26,6 +26,7 @@ from rank_contract.files import touch_beneath
 from rank_contract.stacks import collective_timed_out, stacks_taken_file
 from service.jobs import lifecycle, repository, stacks_repository
 from workers import stacks
+from workers.rank_text import escape_strings, escape_text
 from workers.reporting import Reporter, RunState
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,9 @@ class StackWatch:
         automatic = requested_at is None
         try:
             with self.sessions.begin() as session:
-                stacks_repository.add_dump(
-                    session, row=stacks.row(taken, job_id=self.job_id, requested_at=requested_at)
-                )
+                row = stacks.row(taken, job_id=self.job_id, requested_at=requested_at)
+                # Function and file names are the ranks' to choose: escaped (workers/rank_text.py).
+                stacks_repository.add_dump(session, row={**row, "dump": escape_strings(row["dump"])})
                 if automatic:
                     self._log(session, taken)
         except Exception:  # noqa: BLE001 - as above; the summary still reaches the error message
@@ -100,11 +101,11 @@ class StackWatch:
 
     def _log(self, session: Session, taken: StackDump) -> None:
         rows = [
-            {"job_id": self.job_id, "attempt": self.attempt, "rank": rank, "line": line}
+            {"job_id": self.job_id, "attempt": self.attempt, "rank": rank, "line": escape_text(line)}
             for rank, line in stacks.log_lines(taken)
         ]
         # The worker's own lines, bounded (workers/stacks.py), outside the job's log budget: the
         # evidence of a hang must not be lost to a chatty script.
         repository.add_log_lines(session, rows=rows)
-        note = f"stacks at the {taken.reason} ({self.node}): {stacks.summary(taken)}"
+        note = escape_text(f"stacks at the {taken.reason} ({self.node}): {stacks.summary(taken)}")
         lifecycle.note_running(session, job_id=self.job_id, attempt=self.attempt, note=note)

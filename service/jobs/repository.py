@@ -273,6 +273,12 @@ def stored_log_bytes(session: Session, *, job_id: str) -> int:
     return int(session.execute(stmt).scalar_one())
 
 
+def stored_metric_points(session: Session, *, job_id: str) -> int:
+    """How many metric points the job has stored, all attempts together."""
+    stmt = select(func.count()).select_from(Metric).where(Metric.job_id == job_id)
+    return int(session.execute(stmt).scalar_one())
+
+
 def upsert_checkpoint(session: Session, *, row: dict[str, Any]) -> None:
     """Record a checkpoint; a later attempt that rewrites the same step replaces the row.
 
