@@ -39,14 +39,6 @@ class DatabaseCollector(Collector):
         # (monotonic time, newest metric id) of recent scrapes: the ingest rate is the id's growth.
         self.samples: deque[tuple[float, int]] = deque()
 
-    def describe(self) -> Iterator[Metric]:
-        # Declared up front so that registering the collector does not query the database.
-        yield GaugeMetricFamily("dptrain_jobs", "Jobs by status.", labels=["status"])
-        yield GaugeMetricFamily("dptrain_queue_depth", "Jobs queued and not yet started.")
-        yield GaugeHistogramMetricFamily("dptrain_job_start_delay_seconds", "Submit to start.")
-        yield GaugeMetricFamily("dptrain_worker_heartbeat_age_seconds", "Heartbeat age.", labels=["worker"])
-        yield GaugeMetricFamily("dptrain_metric_points_ingested_per_second", "Metric points ingest rate.")
-
     def collect(self, *, reveal_hosts: bool = False) -> Iterator[Metric]:
         """The figures now; worker names as `/v1/workers` shows them to a non-admin unless `reveal_hosts`."""
         now = utcnow()
