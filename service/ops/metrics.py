@@ -98,6 +98,7 @@ class Scrape(Collector):
         self.reveal_hosts = reveal_hosts
 
     def collect(self) -> Iterator[Metric]:
+        """Every family of this scrape, as `generate_latest` reads them."""
         yield from self.registry.collect()
         yield from self.database.collect(reveal_hosts=self.reveal_hosts)
 
