@@ -48,7 +48,7 @@ class CodeRoutes:
     http: httpx.Client
 
     def code_status(self, sha256: str) -> tuple[bool, int | None]:
-        """Whether the server holds the code archive `sha256`, and its size limit if it says."""
+        """Whether the server holds the archive `sha256` for you (you uploaded it), and its size limit."""
         r = self.http.head(f"/v1/code/{sha256}")
         limit = r.headers.get("X-Code-Max-Bytes", "")
         max_bytes = int(limit) if limit.isdigit() else None
@@ -58,7 +58,7 @@ class CodeRoutes:
         return True, max_bytes
 
     def code_exists(self, sha256: str) -> bool:
-        """Whether the server already holds that archive."""
+        """Whether the server already holds that archive for you (another user's upload does not count)."""
         return self.code_status(sha256)[0]
 
     def upload_archive(self, sha256: str, path: Path) -> bool:

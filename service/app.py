@@ -88,7 +88,7 @@ def create_app(
     install_error_handler(app)
     # A registry per app, not prometheus_client's global one: tests build many apps in one process.
     app.state.metrics_registry = CollectorRegistry()
-    app.state.metrics_registry.register(DatabaseCollector(lambda: app.state.session_factory()))
+    app.state.database_metrics = DatabaseCollector(lambda: app.state.session_factory())
     app.state.token_cache = TokenCache(ttl=settings.auth_cache_seconds)
     # Off (and empty) until the lifespan's LISTEN connection is up; stays off without PostgreSQL.
     app.state.poll_cache = JobPollCache()

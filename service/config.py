@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,6 +25,10 @@ class Settings(BaseSettings):
     artifact_root: Path | None = None
     queue: str = "dptrain"
     bootstrap_token: SecretStr | None = None
+    # A token for the Prometheus scrape (`GET /metrics`) alone, so the scraper needs no admin's:
+    # it reads no other route and sees worker names as non-admins do. 16+ characters; unset: only
+    # admins' tokens scrape.
+    metrics_token: SecretStr | None = None
 
     # Worker: how often the launcher ships events to SQL and looks for a cancel request.
     report_interval_seconds: float = 0.5
@@ -175,18 +179,19 @@ class Settings(BaseSettings):
     # on for the embedded service (SQLite, a laptop), off otherwise. `/openapi.json` is always served.
     api_docs: bool | None = None
 
-    @field_validator("data_root", mode="before")
+    @field_validator("data_root", "metrics_token", mode="before")
     @classmethod
     def _unset_when_empty(cls, v: object) -> object:
-        # DPTRAIN_DATA_ROOT= (empty) means no data root, not the current directory.
+        # DPTRAIN_DATA_ROOT= (empty) means no data root, not the current directory; an empty
+        # DPTRAIN_METRICS_TOKEN (docker-compose passes one through unset) means no scrape token.
         return None if v == "" else v
 
-    @field_validator("bootstrap_token")
+    @field_validator("bootstrap_token", "metrics_token")
     @classmethod
-    def _strong_token(cls, v: SecretStr | None) -> SecretStr | None:
-        # Refuse an obviously guessable admin token rather than run with it.
+    def _strong_token(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        # Refuse an obviously guessable token rather than run with it.
         if v is not None and len(v.get_secret_value()) < 16:
-            raise ValueError("DPTRAIN_BOOTSTRAP_TOKEN must be at least 16 characters")
+            raise ValueError(f"DPTRAIN_{str(info.field_name).upper()} must be at least 16 characters")
         return v
 
     @model_validator(mode="after")

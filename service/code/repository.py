@@ -49,11 +49,10 @@ def touch(session: Session, *, sha256: str, now: datetime) -> bool:
     return bool(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
 
 
-def may_read(session: Session, *, sha256: str, user_id: int) -> bool:
-    """Whether the user uploaded the archive or owns a job whose spec refers to it."""
-    uploaded = exists().where(CodeUpload.sha256 == sha256, CodeUpload.user_id == user_id)
-    refers = exists().where(Job.owner_id == user_id, _code_of_job() == sha256)
-    return bool(session.execute(select(uploaded | refers)).scalar())
+def is_uploader(session: Session, *, sha256: str, user_id: int) -> bool:
+    """Whether the user uploaded the archive (or uploaded the same bytes again)."""
+    stmt = select(exists().where(CodeUpload.sha256 == sha256, CodeUpload.user_id == user_id))
+    return bool(session.execute(stmt).scalar())
 
 
 def delete_unused(session: Session, *, used_before: datetime) -> list[str]:

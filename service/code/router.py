@@ -24,14 +24,15 @@ _CLOSE = {"Connection": "close"}
 
 
 @router.head("/{sha256}", responses=error_responses(NotFound) | {200: {"description": "Stored"}})
-def has_code(sha256: Sha256Path, session: SessionDep, _user: CurrentUser, settings: SettingsDep) -> Response:
-    """200 with the archive's Content-Length if the server has it, else 404: upload only what is missing.
+def has_code(sha256: Sha256Path, session: SessionDep, user: CurrentUser, settings: SettingsDep) -> Response:
+    """200 with the archive's Content-Length if you may use it (you uploaded it), else 404: upload it.
 
-    Both answers carry the server's size limit (`X-Code-Max-Bytes`), so a client refuses an archive
-    over it before sending a byte, rather than meeting a 413 mid-upload.
+    404 alike for an archive that is not stored and one only others uploaded, so the answer tells
+    nobody what others hold. Both answers carry the server's size limit (`X-Code-Max-Bytes`), so a
+    client refuses an archive over it before sending a byte, rather than meeting a 413 mid-upload.
     """
     limit = {MAX_BYTES_HEADER: str(settings.code_max_bytes)}
-    size = service.stored_size(session, sha256=sha256, artifacts=settings.artifacts)
+    size = service.usable_size(session, user=user, sha256=sha256, artifacts=settings.artifacts)
     if size is None:
         # The media type a GET's 404 would have, though a HEAD answer carries no body.
         return Response(status_code=status.HTTP_404_NOT_FOUND, headers=limit, media_type="application/json")
@@ -42,13 +43,17 @@ def has_code(sha256: Sha256Path, session: SessionDep, _user: CurrentUser, settin
     "/{sha256}",
     status_code=status.HTTP_201_CREATED,
     response_class=Response,
-    responses=error_responses(Forbidden, PayloadTooLarge) | {200: {"description": "Already stored"}},
+    responses=error_responses(Forbidden, PayloadTooLarge) | {200: {"description": "Already yours"}},
     openapi_extra={"requestBody": {"required": True, **_ARCHIVE}},
 )
 async def put_code(
     sha256: Sha256Path, request: Request, session: SessionDep, user: CurrentUser, settings: SettingsDep
 ) -> Response:
-    """Store a `.tar.gz` under its sha256 (201), or just record you as its uploader if stored (200)."""
+    """Store a `.tar.gz` under its sha256 and record you as an uploader (201); 200 if you already were.
+
+    Whoever did not upload it sends the bytes even when the server holds them: the hash they hash to
+    is the proof, and the 201 does not tell them whether another user had stored them first.
+    """
     service.check_may_upload(user=user, settings=settings)
     limit, artifacts = settings.code_max_bytes, settings.artifacts
     declared = request.headers.get("content-length", "")
@@ -62,10 +67,10 @@ async def put_code(
         received = await storage.receive(request.stream(), artifacts=artifacts, max_bytes=limit)
     except storage.TooLarge:
         raise _too_large(settings) from None
-    created = await run_in_transaction(
+    await run_in_transaction(
         session, service.store, user=user, sha256=sha256, received=received, artifacts=artifacts
     )
-    return Response(status_code=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+    return Response(status_code=status.HTTP_201_CREATED)
 
 
 def _too_large(settings: SettingsDep) -> PayloadTooLarge:
@@ -80,7 +85,7 @@ def _too_large(settings: SettingsDep) -> PayloadTooLarge:
 def get_code(
     sha256: Sha256Path, session: SessionDep, user: CurrentUser, settings: SettingsDep
 ) -> FileResponse:
-    """The archive, for an admin, its uploaders and the owners of jobs that use it (404 for anyone else)."""
+    """The archive, for an admin and its uploaders (404 for anyone else, as for an unknown archive)."""
     path = service.readable_archive(session, user=user, sha256=sha256, artifacts=settings.artifacts)
     return FileResponse(
         path, media_type="application/gzip", filename=f"{sha256}.tar.gz", headers={"X-Code-SHA256": sha256}

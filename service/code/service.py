@@ -51,19 +51,54 @@ def stored_size(session: Session, *, sha256: str, artifacts: Path) -> int | None
     return size
 
 
+def may_use(session: Session, *, user: User, sha256: str) -> bool:
+    """Whether the user may name the archive in a spec, fetch it, or learn it exists: admins, uploaders."""
+    # Hashes are no secret (every spec, CI log and job listing shows one), so knowing a hash proves
+    # nothing; having uploaded the bytes does. Owning a job that names the archive is not enough
+    # either: the job could only name it because its owner uploaded it (`check_named`).
+    return user.is_admin or repository.is_uploader(session, sha256=sha256, user_id=user.id)
+
+
+def usable_size(session: Session, *, user: User, sha256: str, artifacts: Path) -> int | None:
+    """The archive's size if it is stored and the user may use it; None alike when either fails."""
+    if not may_use(session, user=user, sha256=sha256):
+        return None  # the same answer as for an unknown archive: existence is not revealed
+    return stored_size(session, sha256=sha256, artifacts=artifacts)
+
+
+def check_named(
+    session: Session, *, user: User, sha256: str, artifacts: Path, loc: tuple[str | int, ...]
+) -> None:
+    """The rule for an archive a spec names: stored and usable by the submitter, else 422 at `loc`.
+
+    Every submit path (a job, a sweep and each of its trials, a continuation) calls it through the
+    jobs policy. The refusal reads the same whether the archive is missing or someone else's. Marks
+    the archive used, so retention keeps it.
+    """
+    usable = usable_size(session, user=user, sha256=sha256, artifacts=artifacts) is not None
+    # touch() decides last: it locks the row, so a retention sweep that deleted it meanwhile is seen.
+    if not usable or not repository.touch(session, sha256=sha256, now=utcnow()):
+        reason = f"no code archive {sha256} uploaded by you; upload it first with PUT /v1/code/{sha256}"
+        raise invalid_field(loc, reason, sha256)
+
+
 def reuse(session: Session, *, user: User, sha256: str, artifacts: Path) -> bool:
-    """If the archive is already stored, record `user` as an uploader too and return True."""
-    size = stored_size(session, sha256=sha256, artifacts=artifacts)
+    """True if the user may already use the stored archive (recorded as an uploader): no bytes needed.
+
+    Anyone else sends the bytes (`store`), which proves they hold them: a hash alone is no claim.
+    """
+    size = usable_size(session, user=user, sha256=sha256, artifacts=artifacts)
     if size is None:
         return False
     repository.record(session, sha256=sha256, size_bytes=size, user_id=user.id, now=utcnow())
     return True
 
 
-def store(session: Session, *, user: User, sha256: str, received: storage.Received, artifacts: Path) -> bool:
-    """Put a received upload in place as the archive `sha256` and record it; True if it is new.
+def store(session: Session, *, user: User, sha256: str, received: storage.Received, artifacts: Path) -> None:
+    """Put a received upload in place as the archive `sha256` and record the user as an uploader.
 
-    422 (and nothing kept) when its content does not hash to `sha256` or is not gzip.
+    422 (and nothing kept) when its content does not hash to `sha256` or is not gzip. The same
+    bytes stored already are simply replaced by themselves (an atomic rename).
     """
     problem = None
     if received.sha256 != sha256:
@@ -78,14 +113,11 @@ def store(session: Session, *, user: User, sha256: str, received: storage.Receiv
         received.discard()
         raise problem
     received.keep(artifacts)
-    return repository.record(session, sha256=sha256, size_bytes=received.size, user_id=user.id, now=utcnow())
+    repository.record(session, sha256=sha256, size_bytes=received.size, user_id=user.id, now=utcnow())
 
 
 def readable_archive(session: Session, *, user: User, sha256: str, artifacts: Path) -> Path:
-    """The archive's file for an admin, an uploader, or the owner of a job using it; else NotFound."""
-    missing = NotFound(f"no code archive {sha256}")
-    if not user.is_admin and not repository.may_read(session, sha256=sha256, user_id=user.id):
-        raise missing  # the same answer as for an unknown archive: existence is not revealed
-    if stored_size(session, sha256=sha256, artifacts=artifacts) is None:
-        raise missing
+    """The archive's file for an admin or an uploader; NotFound for anyone else, as for an unknown one."""
+    if usable_size(session, user=user, sha256=sha256, artifacts=artifacts) is None:
+        raise NotFound(f"no code archive {sha256}")
     return storage.archive_path(artifacts, sha256)

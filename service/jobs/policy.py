@@ -7,14 +7,12 @@ from sqlalchemy.orm import Session
 
 from api_schemas import JobSpec, entrypoint_allowed
 from api_schemas.data import OutsideDataRoot, TokenFileSource, UnresolvableDataPath, resolve_in_root
-from service.code import repository as code_repository
-from service.code import storage
+from service.code import service as code
 from service.code.service import refuse_unless_may_run_code
 from service.config import Settings
 from service.errors import Forbidden, invalid_field
 from service.jobs import requirements
 from service.models import User
-from service.models.base import utcnow
 
 
 def runs_user_code(spec: JobSpec) -> bool:
@@ -22,11 +20,20 @@ def runs_user_code(spec: JobSpec) -> bool:
     return spec.entrypoint is not None or spec.command is not None or spec.code is not None
 
 
-def check_user_code(session: Session, *, user: User, spec: JobSpec, settings: Settings) -> None:
+def check_user_code(
+    session: Session,
+    *,
+    user: User,
+    spec: JobSpec,
+    settings: Settings,
+    code_at: tuple[str | int, ...] = ("body", "code", "sha256"),
+) -> None:
     """Refuse (403, or 422 naming the field) a spec whose code or `env` this server or this user may not run.
 
-    Marks a referred archive used, so retention keeps it; whatever passes here can be fetched by
-    the workers (nothing accepted fails later for a reason the API could see).
+    An archive the spec names must be one the user uploaded (an admin's may name any): 422 at
+    `code_at`, alike for another's archive and a missing one. Marks a referred archive used, so
+    retention keeps it; whatever passes here can be fetched by the workers (nothing accepted fails
+    later for a reason the API could see).
     """
     if spec.env:
         check_env_grant(user)
@@ -47,11 +54,9 @@ def check_user_code(session: Session, *, user: User, spec: JobSpec, settings: Se
     if spec.entrypoint is not None and spec.code is None:
         _check_allowed(spec.entrypoint, settings)
     if spec.code is not None:
-        sha = spec.code.sha256
-        stored = storage.archive_path(settings.artifacts, sha).is_file()
-        if not stored or not code_repository.touch(session, sha256=sha, now=utcnow()):
-            missing = f"no code archive {sha}; upload it first with PUT /v1/code/{sha}"
-            raise invalid_field(("body", "code", "sha256"), missing, sha)
+        code.check_named(
+            session, user=user, sha256=spec.code.sha256, artifacts=settings.artifacts, loc=code_at
+        )
 
 
 def check_env_grant(user: User) -> None:

@@ -61,13 +61,18 @@ def _environments(stored: Any) -> list[CachedEnvironment]:
 
 
 def _public_name(w: WorkerRow) -> str:
+    return public_name(w.name, hostname=w.hostname, address=w.address, started_at=w.started_at)
+
+
+def public_name(name: str, *, hostname: str, address: str, started_at: datetime) -> str:
+    """The node's name as a non-admin sees it (here and in `/metrics`): an alias where it names its host."""
     # Where the node's name gives away its host (the default name is the host name) or its address,
     # a user sees an alias instead. It is a hash of the name and the row's start, not of the name
     # alone (a host name is easy to guess, so its hash would be easy to reverse); it stays the same
     # while the node keeps beating and is new once a node that stopped cleanly comes back.
-    name = w.name.lower()
-    revealing = [w.hostname.lower(), w.hostname.lower().split(".")[0], w.address.lower()]
-    if not any(part and part in name for part in revealing):
-        return w.name
-    digest = hashlib.sha256(f"{w.name}\n{w.started_at.isoformat()}".encode()).hexdigest()
+    lowered = name.lower()
+    revealing = [hostname.lower(), hostname.lower().split(".")[0], address.lower()]
+    if not any(part and part in lowered for part in revealing):
+        return name
+    digest = hashlib.sha256(f"{name}\n{started_at.isoformat()}".encode()).hexdigest()
     return f"node-{digest[:12]}"

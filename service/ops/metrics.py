@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_schemas import JobStatus
 from service.models.base import utcnow
+from service.nodes.service import public_name
 from service.ops import repository
 
 START_DELAY_WINDOW = timedelta(hours=1)
@@ -28,22 +29,18 @@ INGEST_WINDOW_SECONDS = 60.0
 
 
 class DatabaseCollector(Collector):
-    """Reads job, worker and ingest figures from the database at each scrape."""
+    """Reads job, worker and ingest figures from the database at each scrape.
+
+    Not registered in a registry: what it answers depends on who scrapes (`Scrape`).
+    """
 
     def __init__(self, sessions: Callable[[], Session]) -> None:
         self.sessions = sessions
         # (monotonic time, newest metric id) of recent scrapes: the ingest rate is the id's growth.
         self.samples: deque[tuple[float, int]] = deque()
 
-    def describe(self) -> Iterator[Metric]:
-        # Declared up front so that registering the collector does not query the database.
-        yield GaugeMetricFamily("dptrain_jobs", "Jobs by status.", labels=["status"])
-        yield GaugeMetricFamily("dptrain_queue_depth", "Jobs queued and not yet started.")
-        yield GaugeHistogramMetricFamily("dptrain_job_start_delay_seconds", "Submit to start.")
-        yield GaugeMetricFamily("dptrain_worker_heartbeat_age_seconds", "Heartbeat age.", labels=["worker"])
-        yield GaugeMetricFamily("dptrain_metric_points_ingested_per_second", "Metric points ingest rate.")
-
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, *, reveal_hosts: bool = False) -> Iterator[Metric]:
+        """The figures now; worker names as `/v1/workers` shows them to a non-admin unless `reveal_hosts`."""
         now = utcnow()
         with self.sessions() as session:
             counts = repository.job_counts(session)
@@ -65,8 +62,13 @@ class DatabaseCollector(Collector):
             "Seconds since each worker's last heartbeat.",
             labels=["worker"],
         )
-        for name, beat in beats:
-            ages.add_metric([name], max(0.0, (now - beat).total_seconds()))
+        for b in beats:
+            name = (
+                b.name
+                if reveal_hosts
+                else public_name(b.name, hostname=b.hostname, address=b.address, started_at=b.started_at)
+            )
+            ages.add_metric([name], max(0.0, (now - b.last_heartbeat).total_seconds()))
         yield ages
         yield GaugeMetricFamily(
             "dptrain_metric_points_ingested_per_second",
@@ -83,6 +85,22 @@ class DatabaseCollector(Collector):
             self.samples.popleft()
         t0, id0 = self.samples[0]
         return (last_id - id0) / (t - t0) if t > t0 else 0.0
+
+
+class Scrape(Collector):
+    """One scrape's answer: this process's registry (request latency) and the database's figures."""
+
+    def __init__(
+        self, registry: CollectorRegistry, database: DatabaseCollector, *, reveal_hosts: bool
+    ) -> None:
+        self.registry = registry
+        self.database = database
+        self.reveal_hosts = reveal_hosts
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family of this scrape, as `generate_latest` reads them."""
+        yield from self.registry.collect()
+        yield from self.database.collect(reveal_hosts=self.reveal_hosts)
 
 
 def _start_delays(delays: list[float]) -> GaugeHistogramMetricFamily:

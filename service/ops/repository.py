@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, select, text
@@ -27,9 +28,21 @@ def start_delays(session: Session, *, started_after: datetime) -> Sequence[tuple
     return [(c, s) for c, s in session.execute(stmt) if s is not None]
 
 
-def heartbeats(session: Session) -> Sequence[tuple[str, datetime]]:
-    """(worker, last heartbeat) of every known worker."""
-    return [(n, t) for n, t in session.execute(select(Worker.name, Worker.last_heartbeat))]
+@dataclass(frozen=True)
+class Beat:
+    """A worker's last heartbeat, with what decides the name a non-admin may see."""
+
+    name: str
+    hostname: str
+    address: str
+    started_at: datetime
+    last_heartbeat: datetime
+
+
+def heartbeats(session: Session) -> Sequence[Beat]:
+    """The last heartbeat of every known worker."""
+    stmt = select(Worker.name, Worker.hostname, Worker.address, Worker.started_at, Worker.last_heartbeat)
+    return [Beat(*row) for row in session.execute(stmt)]
 
 
 def last_metric_id(session: Session) -> int:

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import optuna
+from fastapi.exceptions import RequestValidationError
 from optuna.trial import FrozenTrial, TrialState, create_trial
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
@@ -237,6 +238,10 @@ def _start(
         return False
     except ServiceError as exc:
         raise TrialRefused(f"trial {number}'s submit was refused ({exc.status_code}): {exc}") from None
+    except RequestValidationError as exc:
+        # A 422 of the server's rules (an archive no longer stored, nor the owner's): final too.
+        reason = "; ".join(str(e.get("msg", e)) for e in exc.errors())
+        raise TrialRefused(f"trial {number}'s submit was refused (422): {reason}") from None
     return True
 
 

@@ -71,7 +71,7 @@ def check(session: Session, *, user: User, body: SweepCreate, row: SweepRow, set
     # The server's rules on code, `env`, `environment` and data: on the base, and on each distinct
     # setting of the paths outside the hyperparameters (an `env.X` or `entrypoint` choice), which
     # alone can change their answer.
-    policy.check_user_code(session, user=user, spec=base, settings=settings)
+    policy.check_user_code(session, user=user, spec=base, settings=settings, code_at=_code_loc(paths))
     policy.check_data_paths(spec=base, settings=settings)
     beyond = [i for i, path in enumerate(paths) if not path.startswith("hyperparameters.")]
     checked: set[str] = set()
@@ -82,8 +82,14 @@ def check(session: Session, *, user: User, body: SweepCreate, row: SweepRow, set
         setting = json.dumps([combo[i] for i in beyond])
         if beyond and setting not in checked:
             checked.add(setting)
-            policy.check_user_code(session, user=user, spec=spec, settings=settings)
+            policy.check_user_code(session, user=user, spec=spec, settings=settings, code_at=_code_loc(paths))
             policy.check_data_paths(spec=spec, settings=settings)
+
+
+def _code_loc(paths: list[str]) -> tuple[str, ...]:
+    # Where a refused archive was named: the space's path that sets it, else the base.
+    setting = next((p for p in paths if p == "code" or p.startswith("code.")), None)
+    return ("body", "space", setting) if setting else ("body", "base", "code", "sha256")
 
 
 def create(session: Session, *, user: User, body: SweepCreate, settings: Settings) -> SweepRow:

@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 
+from dptrain.client import Client
 from service.code.storage import archive_path, code_dir
 from service.config import Settings
-from service.models import CodeArchive, CodeUpload
+from service.models import Checkpoint, CodeArchive, CodeUpload, Job, User
 from service.models.base import utcnow
+from service.sweeps import driver
 from tests.api_fixtures import as_user
 from tests.backends import BACKENDS, sessions_of
 from workers.reconciler import purge_expired
@@ -168,12 +170,9 @@ class TestWhoMay:
             f"as for an unknown archive: existence is not told: {other.text}"
         )
         assert api.get(f"/v1/code/{sha}").content == body, "an admin reads every archive"
-        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **bea}).status_code == 200
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **bea}).status_code == 201
         assert api.get(f"/v1/code/{sha}", headers=bea).status_code == 200, "an uploader of stored bytes too"
         assert api.get(f"/v1/code/{sha}", headers=cas).status_code == 404
-        job = {"name": "c", "command": ["python", "train.py"], "code": {"sha256": sha}}
-        assert api.post("/v1/jobs", json=job, headers=cas).status_code == 201
-        assert api.get(f"/v1/code/{sha}", headers=cas).content == body, "the owner of a job that uses it"
 
     def test_a_user_not_granted_code_may_not_upload(self, api: TestClient) -> None:
         body, sha = archive()
@@ -199,6 +198,183 @@ class TestWhoMay:
         for method in ("HEAD", "PUT", "GET"):
             r = api.request(method, f"/v1/code/{sha}", headers={"Authorization": ""})
             assert r.status_code == 401, f"{method}: {r.status_code}"
+
+
+def job_naming(sha: str, name: str = "c", **more: Any) -> dict[str, Any]:
+    """A command job whose code is the archive `sha`."""
+    return {"name": name, "command": ["python", "train.py"], "code": {"sha256": sha}, **more}
+
+
+def sweep_naming(sha: str, **overrides: Any) -> dict[str, Any]:
+    """A sweep of command jobs whose base names the archive `sha`."""
+    body: dict[str, Any] = {
+        "name": "s",
+        "base": job_naming(sha),
+        "space": {"env.MODE": {"choice": ["a", "b"]}},
+        "objective": {"metric": "loss", "direction": "minimize"},
+        "max_trials": 2,
+        "max_concurrent_trials": 1,
+    }
+    return body | overrides
+
+
+def code_answers(api: TestClient, sha: str, headers: dict[str, str]) -> tuple[int, int]:
+    """The statuses of HEAD and GET of the archive for whoever `headers` name."""
+    url = f"/v1/code/{sha}"
+    return api.head(url, headers=headers).status_code, api.get(url, headers=headers).status_code
+
+
+class TestOwnership:
+    """An archive is usable by whoever uploaded its bytes (and admins): its hash alone is no claim."""
+
+    def test_another_users_archive_is_refused_as_if_absent_until_its_bytes_are_uploaded(
+        self, api: TestClient
+    ) -> None:
+        body, sha = archive()
+        _, absent = archive("never uploaded\n")
+        ann, bea = new_user(api, "ann"), new_user(api, "bea")
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **ann}).status_code == 201
+        assert api.post("/v1/jobs", json=job_naming(sha), headers=ann).status_code == 201, "the uploader's"
+        theirs = api.post("/v1/jobs", json=job_naming(sha), headers=bea)
+        missing = api.post("/v1/jobs", json=job_naming(absent), headers=bea)
+        assert theirs.status_code == 422, f"a hash read off a spec or a CI log runs nothing: {theirs.text}"
+        (entry,) = theirs.json()["detail"]
+        assert entry["loc"] == ["body", "code", "sha256"] and "uploaded by you" in entry["msg"], entry
+        assert (theirs.status_code, theirs.text.replace(sha, absent)) == (
+            missing.status_code,
+            missing.text,
+        ), "refused word for word as an archive that does not exist"
+        assert code_answers(api, sha, bea) == (404, 404), "neither fetched nor confirmed to exist"
+        assert api.get(f"/v1/code/{sha}", headers=bea).json() == {
+            "error": "NotFound",
+            "detail": f"no code archive {sha}",
+        }
+        head, unknown = api.head(f"/v1/code/{sha}", headers=bea), api.head(f"/v1/code/{absent}", headers=bea)
+        assert dict(head.headers) == dict(unknown.headers), "HEAD tells nothing an unknown archive would not"
+        assert code_answers(api, sha, ann) == (200, 200), "the uploader"
+        assert code_answers(api, sha, {}) == (200, 200), "an admin"
+        assert api.post("/v1/jobs", json=job_naming(sha, "by-admin")).status_code == 201, "an admin names any"
+        # The same bytes uploaded again make bea an uploader too; 201, as for bytes never seen, so
+        # the answer does not tell her that ann had them.
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **bea}).status_code == 201
+        assert code_answers(api, sha, bea) == (200, 200)
+        assert api.post("/v1/jobs", json=job_naming(sha), headers=bea).status_code == 201
+        assert code_answers(api, sha, ann) == (200, 200), "ann keeps hers"
+        assert api.post("/v1/jobs", json=job_naming(sha, "again"), headers=ann).status_code == 201
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **bea}).status_code == 200, (
+            "an uploader's upload again is 200: nothing to prove"
+        )
+
+    def test_a_body_that_is_not_the_archive_claims_nothing(self, api: TestClient) -> None:
+        body, sha = archive()
+        ann, bea = new_user(api, "ann"), new_user(api, "bea")
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **ann}).status_code == 201
+        forged = api.put(f"/v1/code/{sha}", content=gzip.compress(b"not it"), headers={**GZIP, **bea})
+        assert forged.status_code == 422 and forged.json()["detail"][0]["loc"] == ["path", "sha256"], (
+            f"the bytes must hash to the path's sha256 even when the server holds it: {forged.text}"
+        )
+        assert code_answers(api, sha, bea) == (404, 404)
+        assert api.post("/v1/jobs", json=job_naming(sha), headers=bea).status_code == 422
+
+    def test_owning_a_job_that_names_anothers_archive_grants_nothing(self, api: TestClient) -> None:
+        """A job that named another's archive before this rule (or by an admin's hand) reads, reruns none."""
+        body, sha = archive()
+        ann, bea = new_user(api, "ann"), new_user(api, "bea")
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **ann}).status_code == 201
+        jid = api.post("/v1/jobs", json=job_naming(sha, "old")).json()["id"]
+        with sessions_of(api).begin() as s:
+            bea_id = s.execute(select(User.id).where(User.name == "bea")).scalar_one()
+            s.execute(update(Job).where(Job.id == jid).values(owner_id=bea_id))
+        assert api.get(f"/v1/jobs/{jid}", headers=bea).status_code == 200, "bea owns the job"
+        assert code_answers(api, sha, bea) == (404, 404), "but not the archive it names"
+        spec = api.get(f"/v1/jobs/{jid}", headers=bea).json()["spec"]
+        again = api.post("/v1/jobs", json={**spec, "init_from": {"job": jid, "resume": True}}, headers=bea)
+        assert again.status_code == 422 and again.json()["detail"][0]["loc"] == ["body", "code", "sha256"], (
+            f"a continuation names the archive again, and is checked again: {again.text}"
+        )
+
+    def test_continuing_a_job_keeps_working_for_its_uploader_and_an_admin(self, api: TestClient) -> None:
+        body, sha = archive()
+        ann = new_user(api, "ann")
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **ann}).status_code == 201
+        jid = api.post("/v1/jobs", json=job_naming(sha), headers=ann).json()["id"]
+        checkpoint(api, jid, step=3)
+        for who, headers in (("ann", ann), ("admin", {})):
+            client = Client("http://testserver", token=None)
+            client.http = TestClient(api.app, headers=headers or dict(api.headers))
+            job = client.continue_job(jid)
+            assert job.spec.code is not None and job.spec.code.sha256 == sha, f"{who}: {job.spec}"
+
+    def test_the_sdk_uploads_then_submits_the_same_tree_for_two_users(
+        self, api: TestClient, tmp_path: Path
+    ) -> None:
+        work = tmp_path / "work"
+        work.mkdir()
+        (work / "train.py").write_text("print('hello')\n")
+        shas, sent = set(), []
+        for name in ("ann", "bea"):
+            client = Client("http://testserver", token=None)
+            client.http = TestClient(api.app, headers=new_user(api, name))
+            job = client.submit({"name": name, "command": ["python", "train.py"]}, workdir=work)
+            assert job.spec.code is not None
+            shas.add(job.spec.code.sha256)
+            sent.append(client.upload_code(work).uploaded)
+        assert len(shas) == 1 and sent == [False, False], f"one tree; each user an uploader now: {sent}"
+
+    def test_a_sweep_naming_anothers_archive_is_refused_in_its_base_and_its_space(
+        self, api: TestClient
+    ) -> None:
+        (body, sha), (own, own_sha) = archive(), archive("mine\n")
+        ann, bea = new_user(api, "ann"), new_user(api, "bea")
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **ann}).status_code == 201
+        assert api.put(f"/v1/code/{own_sha}", content=own, headers={**GZIP, **bea}).status_code == 201
+        base = api.post("/v1/sweeps", json=sweep_naming(sha), headers=bea)
+        assert base.status_code == 422, base.text
+        assert base.json()["detail"][0]["loc"] == ["body", "base", "code", "sha256"], base.text
+        space = {"code.sha256": {"choice": [own_sha, sha]}}
+        chosen = api.post("/v1/sweeps", json=sweep_naming(own_sha, space=space), headers=bea)
+        assert chosen.status_code == 422, chosen.text
+        assert chosen.json()["detail"][0]["loc"] == ["body", "space", "code.sha256"], chosen.text
+        assert api.get("/v1/sweeps", headers=bea).json()["items"] == []
+        assert api.post("/v1/sweeps", json=sweep_naming(sha), headers=ann).status_code == 201, "ann's own"
+
+    def test_a_trial_is_checked_again_and_a_refusal_fails_the_sweep(self, api: TestClient) -> None:
+        body, sha = archive()
+        ann = new_user(api, "ann")
+        assert api.put(f"/v1/code/{sha}", content=body, headers={**GZIP, **ann}).status_code == 201
+        sweep = api.post("/v1/sweeps", json=sweep_naming(sha), headers=ann).json()
+        sessions, settings = sessions_of(api), api.app.state.settings  # type: ignore[attr-defined]
+        # Between the sweep's submit and its first trial, ann is no uploader any more (as when
+        # retention took the archive no job named yet): the trial's own check refuses it.
+        with sessions.begin() as s:
+            s.execute(delete(CodeUpload).where(CodeUpload.sha256 == sha))
+        driver.run_once(sessions=sessions, settings=settings)
+        shown = api.get(f"/v1/sweeps/{sweep['id']}", headers=ann).json()
+        assert shown["state"] == "failed" and shown["trials"] == [], shown
+        assert (
+            "trial 0's submit was refused (422)" in shown["error"] and "uploaded by you" in shown["error"]
+        ), shown["error"]
+
+
+def checkpoint(api: TestClient, job_id: str, *, step: int) -> None:
+    """A checkpoint file of the job and its row, as a worker records one."""
+    folder = artifacts(api) / "jobs" / job_id / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"ckpt-{step:09d}.pt"
+    path.write_bytes(b"weights")
+    sha = hashlib.sha256(b"weights").hexdigest()
+    with sessions_of(api).begin() as s:
+        s.add(
+            Checkpoint(
+                job_id=job_id,
+                attempt=1,
+                step=step,
+                path=str(path),
+                size_bytes=7,
+                sha256=sha,
+                created_at=utcnow(),
+            )
+        )
 
 
 def test_retention_deletes_old_archives_no_job_uses(api: TestClient) -> None:

@@ -69,6 +69,9 @@ def test_a_user_not_granted_code_may_run_only_recipes(api: TestClient, kind: str
 @pytest.mark.parametrize("kind", KINDS)
 def test_uploaded_mode_runs_every_kind_for_a_granted_user(api: TestClient, kind: str) -> None:
     fay = user(api, "fay", can_run_code=True)
+    # Her own upload of the archive: a spec names only an archive its submitter uploaded.
+    put = api.put(f"/v1/code/{SHA}", content=ARCHIVE, headers={"Content-Type": "application/gzip", **fay})
+    assert put.status_code == 201, put.text
     r = api.post("/v1/jobs", json=KINDS[kind], headers=fay)
     assert r.status_code == 201, r.text
     assert r.json()["spec"].get("code") == KINDS[kind].get("code"), "the stored spec keeps its code"
@@ -105,7 +108,8 @@ def test_code_the_server_does_not_hold_is_422_at_its_field(api: TestClient) -> N
     assert r.status_code == 422, r.text
     (entry,) = r.json()["detail"]
     assert entry["loc"] == ["body", "code", "sha256"], entry
-    assert entry["msg"] == f"no code archive {unknown}; upload it first with PUT /v1/code/{unknown}", entry
+    expected = f"no code archive {unknown} uploaded by you; upload it first with PUT /v1/code/{unknown}"
+    assert entry["msg"] == expected, entry
 
 
 def test_a_submit_marks_its_archive_used(api: TestClient) -> None:
