@@ -63,8 +63,3 @@ class Lanes:
             if not waiting:
                 del self._waiting[receiver]
             return following
-
-    def waiting(self, receiver: str) -> int:
-        """How many deliveries wait for `receiver`."""
-        with self._lock:
-            return len(self._waiting.get(receiver, {}))
