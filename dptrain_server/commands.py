@@ -135,7 +135,9 @@ def _worker_argv(settings: Settings, concurrency: int) -> list[str]:
 
 
 def webhook_worker(
-    concurrency: int = typer.Option(8, help="Deliveries sent at once (threads)."),
+    # Threads wait on sockets, so many are cheap: with DPTRAIN_WEBHOOK_SENDS_PER_RECEIVER (2), eight
+    # receivers may hang at once before another one's delivery waits for a thread.
+    concurrency: int = typer.Option(16, help="Deliveries sent at once (threads), to all receivers."),
 ) -> None:
     """Run the webhook worker: signed POSTs of job state changes, retried with backoff (docs/api.md)."""
     with require("server"):

@@ -124,11 +124,16 @@ class Settings(BaseSettings):
     webhook_backoff_max_seconds: float = Field(600.0, gt=0)
     webhook_max_attempts: int = Field(15, ge=1)
     webhook_sweep_seconds: float = Field(30.0, gt=0)
+    # Sends to one receiver (scheme, host, port) at once in a webhook worker process; its other
+    # deliveries wait their turn without a thread, so a receiver that hangs delays only its own
+    # (service/webhooks/lanes.py). `dptrain webhook-worker -c` threads serve every receiver.
+    webhook_sends_per_receiver: int = Field(2, ge=1)
     # Networks (CIDRs, comma-separated) a webhook URL may reach although they are refused by default:
-    # loopback (the service itself and its database and broker), link-local and cloud metadata
-    # (169.254.0.0/16, fe80::/10, fd00:ec2::254), unspecified (0.0.0.0, ::). For example
-    # `127.0.0.1/32` for a receiver on this host. Checked at registration and at each delivery,
-    # after DNS resolution (docs/security.md).
+    # loopback (the service itself and its database and broker), link-local and the clouds' metadata
+    # addresses, unspecified ones, and every address of the checking host (service/webhooks/urls.py
+    # has the list), each also when carried in an IPv6 address (mapped, NAT64, 6to4, Teredo...). For
+    # example `127.0.0.1/32` for a receiver on this host. Checked at registration and at each
+    # delivery, after DNS resolution (docs/security.md).
     webhook_allow_networks: str = ""
 
     # API

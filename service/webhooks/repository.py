@@ -51,6 +51,16 @@ def deliveries(session: Session, *, webhook_id: str, limit: int) -> Sequence[Web
     return session.scalars(stmt).all()
 
 
+def pending_url(session: Session, *, delivery_id: str) -> str | None:
+    """The URL a pending delivery goes to; None if it is delivered, failed or gone."""
+    stmt = (
+        select(Webhook.url)
+        .join(WebhookDelivery, WebhookDelivery.webhook_id == Webhook.id)
+        .where(WebhookDelivery.id == delivery_id, WebhookDelivery.status == "pending")
+    )
+    return session.scalar(stmt)
+
+
 @dataclass(frozen=True)
 class Claimed:
     """A delivery this sender holds until `lease` ends: what to send, and where."""

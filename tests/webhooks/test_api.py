@@ -14,6 +14,7 @@ from service.config import Settings
 from service.jobs import lifecycle
 from service.models import WebhookDelivery
 from tests.api_fixtures import add_user, as_user, submit
+from tests.webhooks.addresses import REFUSED_FORMS, own_address, resolving, url_host
 
 
 @pytest.fixture
@@ -82,6 +83,62 @@ def test_loopback_is_refused_without_the_setting(client: TestClient) -> None:
     r = client.post("/v1/webhooks", json={"url": "http://127.0.0.1:8000/hook"})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "url"], r.text
     assert "DPTRAIN_WEBHOOK_ALLOW_NETWORKS" in r.json()["detail"][0]["msg"]
+
+
+def _allowing(client: TestClient, networks: str) -> None:
+    settings = client.app.state.settings  # type: ignore[attr-defined]
+    client.app.state.settings = settings.model_copy(update={"webhook_allow_networks": networks})  # type: ignore[attr-defined]
+
+
+def _refused(client: TestClient, url: str) -> str:
+    r = client.post("/v1/webhooks", json={"url": url})
+    assert r.status_code == 422, (url, r.text)
+    [error] = r.json()["detail"]
+    assert error["loc"] == ["body", "url"], error
+    return str(error["msg"])
+
+
+@pytest.mark.parametrize(("address", "why"), REFUSED_FORMS)
+def test_every_form_of_a_refused_address_is_refused(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, address: str, why: str
+) -> None:
+    _allowing(client, "")
+    assert why in _refused(client, f"http://{url_host(address)}:8080/hook")
+    with resolving(monkeypatch, {"hooks.example.test": address}):
+        assert why in _refused(client, "http://hooks.example.test:8080/hook")
+    assert client.get("/v1/webhooks").json()["items"] == []
+
+
+def test_metadata_google_internal_is_refused_by_its_address(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with resolving(monkeypatch, {"metadata.google.internal": "169.254.169.254"}):
+        assert "169.254.169.254 is a loopback, link-local, metadata" in _refused(
+            client, "http://metadata.google.internal/computeMetadata/v1/"
+        )
+
+
+def test_every_address_of_this_host_is_refused(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An address of an interface, whatever this host's name resolves to (here: 127.0.0.1 only).
+    address = own_address()
+    assert "own host" in _refused(client, f"http://{url_host(address)}:8000/hook")
+    with resolving(monkeypatch, {"hooks.example.test": address}):
+        assert "own host" in _refused(client, "http://hooks.example.test:8000/hook")
+    if ":" not in address:
+        assert f"carries {address}" in _refused(client, f"http://[::ffff:{address}]:8000/hook")
+
+
+def test_allowed_networks_still_allow(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    address = own_address()
+    _allowing(client, f"100.100.100.200/32,169.254.169.254/32,{address}/{32 if ':' not in address else 128}")
+    for host in ("100.100.100.200", "[64:ff9b::a9fe:a9fe]", "[2002:a9fe:a9fe::]", url_host(address)):
+        r = client.post("/v1/webhooks", json={"url": f"http://{host}:8080/hook"})
+        assert r.status_code == 201, (host, r.text)
+    with resolving(monkeypatch, {"hooks.example.test": "::ffff:0:a9fe:a9fe"}):
+        r = client.post("/v1/webhooks", json={"url": "http://hooks.example.test/hook"})
+        assert r.status_code == 201, r.text
+    # What the setting does not name stays refused.
+    assert "carries 127.0.0.1" in _refused(client, "http://[64:ff9b::7f00:1]/")
 
 
 def test_bad_fields_are_named(client: TestClient) -> None:

@@ -18,6 +18,7 @@ from service.webhooks.delivery import backoff, deliver
 from tests.api_fixtures import submit
 from tests.backends import sessions_of, sqlite_app
 from tests.conftest import free_port
+from tests.webhooks.addresses import REFUSED_FORMS, own_address, resolving, url_host
 from tests.webhooks.receiver import Receiver
 
 OPTIONS: dict[str, Any] = {
@@ -118,3 +119,35 @@ def test_a_delivery_whose_sender_died_is_sent_once_its_lease_ends(
     assert claimed is not None and claimed.attempts == 1
     [sent] = _attempt(client, hook)
     assert (sent["status"], sent["attempts"]) == ("delivered", 2) and len(receiver.received) == 1
+
+
+def test_every_form_of_a_refused_address_is_refused_before_sending(
+    tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receiver.start()
+    refused = [*REFUSED_FORMS, (own_address(), "own host")]
+    # Each named host led to an allowed receiver at registration; each literal one was registered
+    # while the setting allowed everything. Both lead to a refused address now, allowed by nothing.
+    names = {f"h{i}.example.test": "127.0.0.1" for i in range(len(refused))}
+    with resolving(monkeypatch, names), sqlite_app(tmp_path, **OPTIONS) as c:
+        c.app.state.settings = _settings(c).model_copy(update={"webhook_allow_networks": "0.0.0.0/0,::/0"})  # type: ignore[attr-defined]
+        hooks: dict[str, tuple[str, str]] = {}
+        for i, (address, why) in enumerate(refused):
+            for url in (
+                f"http://{url_host(address)}:{receiver.port}/",
+                f"http://h{i}.example.test:{receiver.port}/",
+            ):
+                r = c.post("/v1/webhooks", json={"url": url})
+                assert r.status_code == 201, r.text
+                hooks[r.json()["id"]] = (url, why)
+        submit(c)
+        for i, (address, _) in enumerate(refused):
+            names[f"h{i}.example.test"] = address
+        now = _settings(c).model_copy(update={"webhook_allow_networks": "", "webhook_timeout_seconds": 2})
+        for hook_id, (url, why) in hooks.items():
+            [pending] = c.get(f"/v1/webhooks/{hook_id}/deliveries").json()["items"]
+            deliver(sessions=sessions_of(c), settings=now, delivery_id=pending["id"])
+            [tried] = c.get(f"/v1/webhooks/{hook_id}/deliveries").json()["items"]
+            assert tried["status"] == "pending" and tried["last_error"].startswith("refused: "), (url, tried)
+            assert why in tried["last_error"], (url, tried)
+    assert receiver.received == []

@@ -169,6 +169,29 @@ def test_a_slow_receiver_delays_neither_the_api_nor_placement(
     )
 
 
+def test_a_hanging_receiver_delays_no_other_receiver(client: TestClient, settings: Settings) -> None:
+    hanging, healthy = Receiver(port=free_port()).start(), Receiver(port=free_port()).start()
+    hanging.hold.clear()  # every answer waits until the test lets it go (the POST's timeout is 120 s)
+    try:
+        _register(client, hanging.port)
+        for _ in range(6):  # more deliveries to it than the worker has threads (4)
+            submit(client)
+        hanging.wait_for(1)
+        time.sleep(1.0)  # the worker takes up what it will of that backlog
+        hook = _register(client, healthy.port)
+        job = submit(client)
+        # Delivered while every request to the hanging receiver is still unanswered.
+        [got] = healthy.wait_for(1, timeout=15)
+        assert json.loads(got.body)["job_id"] == job["id"]
+        _until(lambda: [d["status"] for d in _deliveries(client, hook)] == ["delivered"], timeout=15)
+        assert not hanging.hold.is_set()
+        # Its other deliveries wait their turn, not in a thread.
+        assert len(hanging.received) <= settings.webhook_sends_per_receiver, len(hanging.received)
+    finally:
+        hanging.stop()
+        healthy.stop()
+
+
 def test_the_sweep_sends_what_a_lost_publish_left_pending(
     client: TestClient, receiver: Receiver, settings: Settings
 ) -> None:
