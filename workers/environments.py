@@ -35,6 +35,8 @@ from service.jobs import requirements
 MANIFEST = "dptrain-env.json"
 LOCK_POLL_SECONDS = 0.1
 ERROR_TYPE = "EnvironmentBuildFailed"
+# A build whose folder grew past DPTRAIN_MAX_ENV_BYTES (workers/env_build.py).
+TOO_LARGE = "EnvironmentTooLarge"
 MISSING_FILE = "RequirementsFileMissing"
 
 
@@ -174,7 +176,7 @@ def held(
                     shutil.rmtree(root, ignore_errors=True)
                     raise
                 seconds = time.monotonic() - started
-                record = {"key": key, "bytes": _size(root), "build_seconds": round(seconds, 3)}
+                record = {"key": key, "bytes": size_of(root), "build_seconds": round(seconds, 3)}
                 tmp = root / f".{MANIFEST}.tmp"
                 tmp.write_text(json.dumps(record))
                 os.chmod(tmp, 0o644)
@@ -237,7 +239,8 @@ def evict(cache: Path, *, max_bytes: int, keep: str) -> list[str]:
     return removed
 
 
-def _size(root: Path) -> int:
+def size_of(root: Path) -> int:
+    """The bytes of the regular files under `root`, never following a link (what the cache counts)."""
     total = 0
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
