@@ -17,12 +17,16 @@ worker's distributions as installed, and a constraints file pins the worker's to
 check afterwards refuses an environment whose files provide one of the worker's packages anyway
 (a local wheel, a URL).
 
-The installer runs in the same bubblewrap sandbox as the ranks, as their user, seeing the worker's
-Python read-only and only the environment's folder writable, with no cache shared between builds
-(a build runs the job's own code: an sdist's build script must not reach another job's wheels). The
-sandbox shares the host's network (no --unshare-net): the index must be reachable; nothing else of
-the host is visible. uv's and pip's config files are ignored: the operator's DPTRAIN_PIP_* settings
-alone say where packages come from. Its output streams into `log` (the job's `setup` log lines).
+The installer runs in the same bubblewrap sandbox as the ranks, as their user (the attempt's own
+uid under a root worker: workers/rank_setup.ranks_user), seeing the worker's Python read-only and
+only the environment's folder writable, with no cache shared between builds (a build runs the
+job's own code: an sdist's build script must not reach another job's wheels). The sandbox shares
+the host's network (no --unshare-net): the index must be reachable; nothing else of the host is
+visible. uv's and pip's config files are ignored: the operator's DPTRAIN_PIP_* settings alone say
+where packages come from. Its output streams into `log` (the job's `setup` log lines). The folder,
+temporary files included, is measured every second while the build runs and the build stopped
+past DPTRAIN_MAX_ENV_BYTES (EnvironmentTooLarge): a build never fills the disk before the cache's
+cap is looked at.
 """
 
 from __future__ import annotations
