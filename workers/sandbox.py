@@ -215,7 +215,7 @@ def _as_user(uid: int | None, gid: int | None) -> list[str]:
 
 
 def nobody() -> tuple[int, int]:
-    """nobody's (uid, gid) (65534 where none is named): the probe's user, and a multi-node attempt's ranks'."""
+    """nobody's (uid, gid) (65534 where none is named): the probe's user, a multi-node attempt's ranks'."""
     try:
         entry = pwd.getpwnam("nobody")
     except KeyError:
