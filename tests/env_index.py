@@ -2,7 +2,8 @@
 
 The wheels are built at session start from the tiny packages in tests/fixtures/env_packages (two
 versions of dpt-alpha, and dpt-beta, which depends on dpt-alpha), offline and without build isolation
-(the venv's setuptools builds them). `package_index` serves them; `requests(name)` counts what the
+(the venv's setuptools builds them); dpt-bloat is served as a source distribution whose build
+writes 64 MiB and hangs (SDIST_ONLY). `package_index` serves them; `requests(name)` counts what the
 index really served for a project, read from pypiserver's own request log, so a test can tell a
 cache hit (no request) from a build. `stop()` and `start()` take the index down and bring it back on
 the same URL. Test modules that use it start processes: they carry the e2e marker.
