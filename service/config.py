@@ -98,6 +98,13 @@ class Settings(BaseSettings):
     # Run the ranks of every job as this unprivileged user (the worker must be root), each attempt in
     # a directory of its own that only it and the worker can read (docs/security.md).
     run_as: str = ""
+    # Without DPTRAIN_RUN_AS, a root worker runs each attempt's sandboxed ranks (and its environment's
+    # build) as a uid of its own, leased from this range ("first-last"; gid the same number) for the
+    # attempt's life and free again once its processes are gone and its files are the worker's
+    # (workers/rank_uids.py, docs/security.md). The default lies above the 16-bit ids that
+    # distributions, systemd's DynamicUser (61184-65519) and nobody (65534) use, and below useradd's
+    # subordinate ids (100000 up); a container that maps only 65536 ids needs one below 65534.
+    rank_uid_range: str = "65536-66559"
     # Every attempt's ranks run in a bubblewrap sandbox (workers/sandbox.py, docs/security.md):
     # `required` refuses to start a worker where bwrap or namespaces are missing; `auto` too, except
     # for `dptrain up`'s embedded worker, which then runs them unsandboxed with a warning; `off`
@@ -114,6 +121,10 @@ class Settings(BaseSettings):
     env_build_timeout_seconds: float = Field(900.0, gt=0)
     env_cache_dir: Path | None = None
     env_cache_max_bytes: int = Field(20 << 30, ge=0)
+    # The most one environment's folder may hold while it is built (bytes, links not followed,
+    # the installer's temporary files included), measured every second: past it the build is killed
+    # and the job fails (EnvironmentTooLarge, not retried); nothing is cached.
+    max_env_bytes: int = Field(10 << 30, ge=1 << 20)
 
     # Webhooks (docs/api.md#webhooks): each delivery is a POST of at most this long; a failed one is
     # tried again after `webhook_backoff_seconds`, doubling up to `webhook_backoff_max_seconds`, until
@@ -191,6 +202,21 @@ class Settings(BaseSettings):
         # DPTRAIN_METRICS_TOKEN (docker-compose passes one through unset) means no scrape token.
         return None if v == "" else v
 
+    @field_validator("rank_uid_range")
+    @classmethod
+    def _uid_range(cls, v: str) -> str:
+        first, sep, last = v.partition("-")
+        if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+            raise ValueError(f"DPTRAIN_RANK_UID_RANGE must be two uids like 65536-66559, not {v!r}")
+        low, high = int(first), int(last)
+        # Below 1000 are the system's accounts; nobody (65534), 65535 and (uid_t)-1 are never a rank's.
+        if not 1000 <= low <= high < 2**32 - 1 or low <= 65534 <= high or low <= 65535 <= high:
+            raise ValueError(
+                f"DPTRAIN_RANK_UID_RANGE {v!r} must be first-last within 1000-4294967294, first not above "
+                "last, without 65534 (nobody) and 65535"
+            )
+        return f"{low}-{high}"
+
     @field_validator("bootstrap_token", "metrics_token")
     @classmethod
     def _strong_token(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
@@ -244,6 +270,12 @@ class Settings(BaseSettings):
         """Where unpacked code trees live on this worker, always set after validation."""
         assert self.code_cache_dir is not None
         return self.code_cache_dir
+
+    @property
+    def rank_uids(self) -> tuple[int, int]:
+        """DPTRAIN_RANK_UID_RANGE as (first, last), both included."""
+        first, _, last = self.rank_uid_range.partition("-")
+        return int(first), int(last)
 
     @property
     def env_cache(self) -> Path:

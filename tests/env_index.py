@@ -2,7 +2,8 @@
 
 The wheels are built at session start from the tiny packages in tests/fixtures/env_packages (two
 versions of dpt-alpha, and dpt-beta, which depends on dpt-alpha), offline and without build isolation
-(the venv's setuptools builds them). `package_index` serves them; `requests(name)` counts what the
+(the venv's setuptools builds them); dpt-bloat is served as a source distribution whose build
+writes 64 MiB and hangs (SDIST_ONLY). `package_index` serves them; `requests(name)` counts what the
 index really served for a project, read from pypiserver's own request log, so a test can tell a
 cache hit (no request) from a build. `stop()` and `start()` take the index down and bring it back on
 the same URL. Test modules that use it start processes: they carry the e2e marker.
@@ -10,10 +11,12 @@ the same URL. Test modules that use it start processes: they carry the e2e marke
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -33,6 +36,10 @@ BETA = "dpt-beta"  # module `dpt_beta`: VERSION, and ALPHA_VERSION (the dpt-alph
 BETA_VERSION = "1.0"  # requires dpt-alpha>=1
 # A project the index does not have: its install must fail with the resolver's message.
 MISSING = "dpt-missing"
+# A source distribution only: its build writes 64 MiB in 1 MiB files, then hangs (an environment
+# build over DPTRAIN_MAX_ENV_BYTES, stopped while it runs).
+BLOAT = "dpt-bloat"
+SDIST_ONLY = frozenset({BLOAT})
 
 START_TIMEOUT_S = 30.0
 _MARK = "dpt-index-request"
@@ -42,10 +49,15 @@ _REQUEST = re.compile(rf"{_MARK} (?P<method>[A-Z]+) (?P<path>\S+)")
 def build_wheels(out: Path, work: Path) -> list[Path]:
     """Build every package in SOURCES into `out` with uv, offline; sources are copied to `work` first.
 
-    Copied because a setuptools build writes build/ and *.egg-info next to its sources.
+    Copied because a setuptools build writes build/ and *.egg-info next to its sources. Those in
+    SDIST_ONLY are packed as source distributions instead, built by whoever installs them.
     """
     out.mkdir(parents=True, exist_ok=True)
     for source in sorted(p for p in SOURCES.iterdir() if (p / "pyproject.toml").exists()):
+        name, version = source.name.rsplit("-", 1)
+        if name in SDIST_ONLY:
+            _pack_sdist(source, out, name=name, version=version)
+            continue
         copy = work / source.name
         shutil.copytree(source, copy)
         subprocess.run(
@@ -57,6 +69,24 @@ def build_wheels(out: Path, work: Path) -> list[Path]:
             timeout=120,
         )
     return sorted(out.glob("*.whl"))
+
+
+def _pack_sdist(source: Path, out: Path, *, name: str, version: str) -> Path:
+    """`source` as the source distribution `<name>-<version>.tar.gz` (PEP 625), packed by hand.
+
+    By hand: building it with its own backend would run that backend's wheel build's behaviour.
+    """
+    top = f"{name.replace('-', '_')}-{version}"
+    path = out / f"{top}.tar.gz"
+    pkg_info = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+    with tarfile.open(path, "w:gz") as tar:
+        for file in sorted(source.iterdir()):
+            if file.is_file():
+                tar.add(file, arcname=f"{top}/{file.name}")
+        info = tarfile.TarInfo(f"{top}/PKG-INFO")
+        info.size = len(pkg_info)
+        tar.addfile(info, io.BytesIO(pkg_info))
+    return path
 
 
 def _project(path: str) -> str | None:

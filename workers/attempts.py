@@ -90,6 +90,8 @@ NOT_RETRIED = frozenset(
         # (workers/environments.py): the same requirements meet the same index again.
         "EnvironmentBuildFailed",
         "RequirementsFileMissing",
+        # The build wrote past DPTRAIN_MAX_ENV_BYTES: the same requirements write as much again.
+        "EnvironmentTooLarge",
     }
 )
 

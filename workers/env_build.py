@@ -17,12 +17,16 @@ worker's distributions as installed, and a constraints file pins the worker's to
 check afterwards refuses an environment whose files provide one of the worker's packages anyway
 (a local wheel, a URL).
 
-The installer runs in the same bubblewrap sandbox as the ranks, as their user, seeing the worker's
-Python read-only and only the environment's folder writable, with no cache shared between builds
-(a build runs the job's own code: an sdist's build script must not reach another job's wheels). The
-sandbox shares the host's network (no --unshare-net): the index must be reachable; nothing else of
-the host is visible. uv's and pip's config files are ignored: the operator's DPTRAIN_PIP_* settings
-alone say where packages come from. Its output streams into `log` (the job's `setup` log lines).
+The installer runs in the same bubblewrap sandbox as the ranks, as their user (the attempt's own
+uid under a root worker: workers/rank_setup.ranks_user), seeing the worker's Python read-only and
+only the environment's folder writable, with no cache shared between builds (a build runs the
+job's own code: an sdist's build script must not reach another job's wheels). The sandbox shares
+the host's network (no --unshare-net): the index must be reachable; nothing else of the host is
+visible. uv's and pip's config files are ignored: the operator's DPTRAIN_PIP_* settings alone say
+where packages come from. Its output streams into `log` (the job's `setup` log lines). The folder,
+temporary files included, is measured every second while the build runs and the build stopped
+past DPTRAIN_MAX_ENV_BYTES (EnvironmentTooLarge): a build never fills the disk before the cache's
+cap is looked at.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
@@ -50,11 +54,18 @@ from rank_contract.files import create_beneath
 from service.config import Settings
 from service.jobs.requirements import OUR_PACKAGES, WORKER_DISTRIBUTIONS, protected
 from workers import sandbox
-from workers.environments import ERROR_TYPE, Aborted, EnvironmentFailed, worker_versions
+from workers.environments import ERROR_TYPE, TOO_LARGE, Aborted, EnvironmentFailed, size_of, worker_versions
 from workers.procs import kill_group
 
 POLL_SECONDS = 0.1
 TIMEOUT_SETTING = "DPTRAIN_ENV_BUILD_TIMEOUT_SECONDS"
+SIZE_SETTING = "DPTRAIN_MAX_ENV_BYTES"
+# How often the build's folder is measured while it runs: a walk of an environment's few thousand
+# files costs milliseconds, and a second's writes at disk speed is the most it can overshoot by.
+MEASURE_SECONDS = 1.0
+# util-linux's, like setpriv: it sets RLIMIT_FSIZE and execs the installer (so its pid is the one
+# started), which then cannot write any one file past the bound between two measures.
+PRLIMIT = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
 MESSAGE_LINES = 12
 TRACEBACK_LINES = 60
 # Variables pip may need from the worker's environment (a proxy to the index, the locale).
@@ -123,18 +134,33 @@ class Builder:
             argv += ["--index-url", self.settings.pip_index_url]
         for link in filter(None, (s.strip() for s in self.settings.pip_find_links.split(","))):
             argv += ["--find-links", link]
-        if self.box is None:
+        if self.box is not None:
+            box = sandbox.Box(
+                run_dir=root,
+                checkpoint_dir=root,
+                workdir=self.code_dir or root,
+                tmp_dir=setup / "tmp",
+                code_dir=self.code_dir,
+                uid=self.box.uid,
+                gid=self.box.gid,
+            )
+            argv = sandbox.bwrap_argv(box, argv)
+        if PRLIMIT is None:
             return argv
-        box = sandbox.Box(
-            run_dir=root,
-            checkpoint_dir=root,
-            workdir=self.code_dir or root,
-            tmp_dir=setup / "tmp",
-            code_dir=self.code_dir,
-            uid=self.box.uid,
-            gid=self.box.gid,
+        return [PRLIMIT, f"--fsize={self.settings.max_env_bytes}", "--", *argv]
+
+    def _check_size(self, root: Path, log: TextIO, output: list[str]) -> None:
+        """EnvironmentTooLarge if the folder (the installer's temporary files included) is over its bound."""
+        limit = self.settings.max_env_bytes
+        size = size_of(root)
+        if size <= limit:
+            return
+        message = (
+            f"the environment's build wrote {_mib(size)} (at least), over the limit of {_mib(limit)} "
+            f"({SIZE_SETTING}); the build was stopped and nothing was kept"
         )
-        return sandbox.bwrap_argv(box, argv)
+        log.write(f"[setup] {message}\n")
+        raise EnvironmentFailed(JobError(type=TOO_LARGE, message=message, traceback=_tail(output)))
 
     def _run(self, root: Path) -> tuple[int, list[str]]:  # noqa: C901 - one loop: read, log, time out
         tmp = "/tmp" if self.box is not None else str(root / "setup" / "tmp")
@@ -153,6 +179,7 @@ class Builder:
         if self.box is None and self.uid is not None:
             user = {"user": self.uid, "group": self.gid, "extra_groups": []}
         deadline = time.monotonic() + self.settings.env_build_timeout_seconds
+        measured = time.monotonic()
         output: list[str] = []
         # logs/ is the ranks' folder: never written through a link or a FIFO put in the log's place.
         opened = create_beneath(self.log.parent, self.log.name)
@@ -185,6 +212,9 @@ class Builder:
                         log.write(f"[setup] {line}\n")
                     log.flush()
                     if not chunk and proc.poll() is not None:
+                        # Once more, the installer gone: what it wrote after the last measure (or
+                        # up to RLIMIT_FSIZE, which killed it) counts too.
+                        self._check_size(root, log, output)
                         break
                     if time.monotonic() > deadline:
                         limit = self.settings.env_build_timeout_seconds
@@ -194,6 +224,9 @@ class Builder:
                         raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message, traceback=tail))
                     if not self.poll():
                         raise Aborted
+                    if time.monotonic() - measured >= MEASURE_SECONDS:
+                        measured = time.monotonic()
+                        self._check_size(root, log, output)
                     if not chunk:
                         time.sleep(POLL_SECONDS)
             finally:
@@ -203,6 +236,14 @@ class Builder:
                     proc.wait(timeout=30)
                 proc.stdout.close()
         return proc.returncode, output
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _tail(output: list[str]) -> str | None:
+    return "\n".join(output[-TRACEBACK_LINES:]) or None
 
 
 def _read(proc: subprocess.Popen[bytes]) -> bytes:

@@ -37,6 +37,8 @@ MANIFEST = "dptrain-env.json"
 _MAX_MANIFEST_BYTES = 1 << 16
 LOCK_POLL_SECONDS = 0.1
 ERROR_TYPE = "EnvironmentBuildFailed"
+# A build whose folder grew past DPTRAIN_MAX_ENV_BYTES (workers/env_build.py).
+TOO_LARGE = "EnvironmentTooLarge"
 MISSING_FILE = "RequirementsFileMissing"
 
 
@@ -178,7 +180,7 @@ def held(
                     shutil.rmtree(root, ignore_errors=True)
                     raise
                 seconds = time.monotonic() - started
-                record = {"key": key, "bytes": _size(root), "build_seconds": round(seconds, 3)}
+                record = {"key": key, "bytes": size_of(root), "build_seconds": round(seconds, 3)}
                 _write_manifest(root, record)
             fcntl.flock(fd, fcntl.LOCK_SH)
         # Least recently used: the manifest's mtime is the environment's last use.
@@ -252,7 +254,8 @@ def evict(cache: Path, *, max_bytes: int, keep: str) -> list[str]:
     return removed
 
 
-def _size(root: Path) -> int:
+def size_of(root: Path) -> int:
+    """The bytes of the regular files under `root`, never following a link (what the cache counts)."""
     total = 0
     for dirpath, _dirs, files in os.walk(root):
         for name in files:

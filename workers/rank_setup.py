@@ -17,7 +17,7 @@ from api_schemas import JobError, JobSpec
 from rank_contract.env import sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
-from workers import sandbox
+from workers import rank_uids, sandbox
 from workers.code_cache import CodeArchiveError, unpack_cached
 from workers.engine.launch import supervisor_id
 from workers.init_checkpoint import InitCheckpoint, unshare
@@ -36,11 +36,13 @@ class SetupFailed(Exception):
 
 @dataclass(frozen=True)
 class RunAs:
-    """The unprivileged user the ranks run as (DPTRAIN_RUN_AS)."""
+    """The unprivileged user the ranks run as: DPTRAIN_RUN_AS's, or a uid leased for this attempt alone."""
 
     name: str
     uid: int
     gid: int
+    # The attempt's own uid's lease (workers/rank_uids.py); None for DPTRAIN_RUN_AS's user.
+    lease: rank_uids.Lease | None = None
 
     @classmethod
     def named(cls, name: str) -> RunAs:
@@ -58,10 +60,37 @@ class RunAs:
         return {"user": self.uid, "group": self.gid, "extra_groups": [], "umask": 0o077}
 
     @classmethod
-    def nobody(cls) -> RunAs:
-        """The ranks' user of a root worker without DPTRAIN_RUN_AS, in the sandbox: nobody."""
+    def leased(cls, lease: rank_uids.Lease) -> RunAs:
+        """The attempt's own uid (no user of the host has it: named by its number)."""
+        return cls(name=f"uid {lease.uid}", uid=lease.uid, gid=lease.gid, lease=lease)
+
+
+def ranks_user(
+    *, settings: Settings, sandboxed: bool, multi_node: bool, hold: contextlib.ExitStack
+) -> RunAs | None:
+    """Who the attempt's ranks and its environment's build run as: the one place that decides it.
+
+    DPTRAIN_RUN_AS's user where the operator names one; else, for a root worker's sandboxed ranks, a
+    uid of DPTRAIN_RANK_UID_RANGE that no other attempt on this host holds, leased until `hold`
+    closes (nobody for a multi-node attempt); else None, the worker's own user (a worker that is
+    not root; a root worker's unsandboxed ranks, which the sandbox's absence already leaves with the
+    worker's rights).
+    """
+    if settings.run_as:
+        return RunAs.named(settings.run_as)
+    if os.getuid() != 0 or not sandboxed:
+        return None
+    if multi_node:
+        # Every node's ranks read the job's one checkpoint folder (shared storage, or one host in
+        # small setups), which each node hands to its ranks' user: that user must be the same on
+        # every node, and a lease is one host's.
         uid, gid = sandbox.nobody()
-        return cls(name="nobody", uid=uid, gid=gid)
+        return RunAs(name="nobody", uid=uid, gid=gid)
+    try:
+        lease = hold.enter_context(rank_uids.leased(settings.rank_uids))
+    except rank_uids.NoFreeUid as exc:
+        raise SetupFailed(JobError(type="NoFreeUid", message=str(exc))) from exc
+    return RunAs.leased(lease)
 
 
 @dataclass(frozen=True)
@@ -106,12 +135,16 @@ def prepare(
     checkpoint_dir: Path,
     output_dir: Path,
     unsandboxed: str | None,
+    hold: contextlib.ExitStack,
+    multi_node: bool = False,
     interface: str | None = None,
     init: InitCheckpoint | None = None,
 ) -> RankSetup:
-    """Unpack the code, make the scratch, hand the run's folders to the ranks' user, build their environment.
+    """Unpack the code, make the scratch, choose the ranks' user and hand the run's folders to it.
 
     `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can;
+    `hold` keeps the ranks' own uid leased (`ranks_user`) until it closes, after the attempt's end;
+    `multi_node` says the attempt has other nodes;
     `interface` is the network interface of this node's address in a multi-node attempt; `init` the
     job's init_from checkpoint when its ranks start from it (verified here first, SetupFailed if not).
     """
@@ -121,24 +154,22 @@ def prepare(
     if why is not None and settings.sandbox == "required":
         raise SetupFailed(JobError(type="SandboxUnavailable", message=why))
     root = os.getuid() == 0
-    run_as = RunAs.named(settings.run_as) if settings.run_as else None
     code_dir = unpack_code(settings, spec)
     scratch = make_scratch(run_dir, code_dir)
-    if why is None and root and run_as is None:
-        run_as = RunAs.nobody()  # never root inside the sandbox
+    # Never root inside the sandbox: a root worker's sandboxed ranks always get a user here.
+    run_as = ranks_user(settings=settings, sandboxed=why is None, multi_node=multi_node, hold=hold)
     if run_as is not None:
         if init is not None:
             unshare(init.folder)
+        # The init folder too, its files unshared from the source's first (init_checkpoint.unshare).
+        owned = (run_dir, checkpoint_dir, output_dir, *([init.folder] if init else []))
+        if run_as.lease is not None:
+            # Noted before they are handed over: what the uid owns is the worker's again before
+            # another attempt leases it, even if this worker dies first.
+            run_as.lease.own(owned)
         # A root bwrap binds what the ranks need whatever its folders' modes: only an unsandboxed
         # rank must be able to walk the artifact root to its run directory.
-        _hand_over(
-            run_as,
-            settings=settings,
-            run_dir=run_dir,
-            # The init folder too, its files unshared from the source's first (init_checkpoint.unshare).
-            owned=(run_dir, checkpoint_dir, output_dir, *([init.folder] if init else [])),
-            reach=why is not None,
-        )
+        _hand_over(run_as, settings=settings, run_dir=run_dir, owned=owned, reach=why is not None)
     ours = sdk_env(
         job_id=job_id,
         attempt=attempt,

@@ -145,17 +145,34 @@ def _supervise(
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir, attempt=max(1, att.number - 1))
     paths.write_spec(spec)
+    # Closed last: the ranks' own uid (rank_setup.ranks_user) is leased until their processes are
+    # gone and the attempt's files are the worker's again (take_back, in _prepare_and_launch, runs first).
+    with contextlib.ExitStack() as uid_lease:
+        return _prepare_and_launch(sessions=sessions, settings=settings, run=run, paths=paths, hold=uid_lease)
+
+
+def _prepare_and_launch(
+    *,
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    run: NodeRun,
+    paths: RunPaths,
+    hold: contextlib.ExitStack,
+) -> JobStatus:
+    att, spec = run.att, run.spec
     try:
         setup = prepare(
             settings=settings,
             spec=spec,
-            job_id=job_id,
+            job_id=att.job_id,
             attempt=att.number,
             run_dir=paths.run_dir,
             checkpoint_dir=paths.checkpoint_dir,
             output_dir=paths.output_dir,
             # Probed once per worker process, for real (the worker's start did it already).
             unsandboxed=sandbox.unavailable(settings.sandbox),
+            hold=hold,
+            multi_node=run.nnodes > 1,
             interface=interface_of(run.address) if run.rendezvous is not None else None,
             init=init_checkpoint.needed(run.init, checkpoint_dir=paths.checkpoint_dir),
         )
@@ -168,8 +185,10 @@ def _supervise(
         )
     try:
         # Holds the job's environment (if any) until its ranks are gone: eviction never removes it.
-        with contextlib.ExitStack() as hold:
-            return _launch(sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, hold=hold)
+        with contextlib.ExitStack() as env_hold:
+            return _launch(
+                sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, hold=env_hold
+            )
     finally:
         # Its ranks are gone (_launch killed what was left): only what they wrote on purpose stays.
         remove_scratch(paths.run_dir)

@@ -14,9 +14,10 @@ One bwrap per node of an attempt wraps torchrun (and so every rank, whatever the
   else of the host: no DPTRAIN_HOME, database, token, other job's folder or host process;
 - its own IPC and UTS namespaces; the network stays (multi-node rendezvous needs it);
 - never root: a root worker starts bwrap as root, which needs no user namespace and can bind the
-  worker's private folders, and the sandbox switches to the ranks' user (DPTRAIN_RUN_AS, else
-  nobody) with setpriv before torchrun starts: no capabilities, no new privileges. A worker that is
-  not root starts bwrap as itself (bwrap then makes a user namespace); its ranks keep its uid.
+  worker's private folders, and the sandbox switches to the ranks' user (DPTRAIN_RUN_AS, else the
+  attempt's own uid: workers/rank_uids.py) with setpriv before torchrun starts: no capabilities, no
+  new privileges. A worker that is not root starts bwrap as itself (bwrap then makes a user
+  namespace); its ranks keep its uid.
 
 Signals: SIGTERM to bwrap kills it (and so, through --die-with-parent, the whole sandbox at once),
 so a graceful stop signals the process group inside, led by the sandbox's init, which a signal from
@@ -214,7 +215,7 @@ def _as_user(uid: int | None, gid: int | None) -> list[str]:
 
 
 def nobody() -> tuple[int, int]:
-    """(uid, gid) of a root worker's ranks without DPTRAIN_RUN_AS: nobody's (65534 where none is named)."""
+    """nobody's (uid, gid) (65534 where none is named): the probe's user, a multi-node attempt's ranks'."""
     try:
         entry = pwd.getpwnam("nobody")
     except KeyError:

@@ -1,8 +1,8 @@
 """An attempt's scratch: the ranks' working directory, /tmp and HOME, made at its start, removed at its end.
 
 They live in the node's run directory, beside what stays (spec.json, logs/, events/): the ranks
-reach them through its mount (workers/sandbox.py), and DPTRAIN_RUN_AS's hand-over gives them to the
-ranks' user with the rest. Only what the ranks write on purpose outlives the attempt: checkpoints,
+reach them through its mount (workers/sandbox.py), and the hand-over (workers/rank_setup.py) gives
+them to the ranks' user with the rest. Only what the ranks write on purpose outlives the attempt: checkpoints,
 logs and events.
 """
 

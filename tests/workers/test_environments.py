@@ -19,7 +19,7 @@ from service.config import Settings
 from service.jobs import service
 from service.models import LogLine
 from tests.api_fixtures import ADMIN_TOKEN
-from tests.env_index import ALPHA, BETA, MISSING, PackageIndex
+from tests.env_index import ALPHA, BETA, BLOAT, MISSING, PackageIndex
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
 from workers import environments
 
@@ -153,3 +153,25 @@ def test_a_cancel_stops_a_build_at_once(
     assert all(e["key"] != key for e in environments.cached(node.env_cache)), (
         "the cancelled build left nothing"
     )
+
+
+def test_a_build_over_its_size_bound_is_stopped_while_it_runs_and_leaves_nothing(
+    node: Settings, sessions: sessionmaker
+) -> None:
+    # dpt-bloat's build writes 64 files of 1 MiB (each under any per-file limit), then hangs for
+    # 600 s: only the bound on the whole folder, measured while the build runs, ends it in time.
+    bounded = node.model_copy(update={"max_env_bytes": 8 << 20, "env_build_timeout_seconds": 90.0})
+    job_id = _submit(sessions, [BLOAT])
+    started = time.monotonic()
+    assert run_attempt(job_id=job_id, settings=bounded) is JobStatus.FAILED, "not retried (max_restarts=2)"
+    took = time.monotonic() - started
+    job = job_row(sessions, job_id)
+    assert job.attempt == 1 and job.error is not None
+    assert job.error["type"] == "EnvironmentTooLarge", job.error
+    assert "8.0 MiB" in job.error["message"] and "DPTRAIN_MAX_ENV_BYTES" in job.error["message"], job.error
+    assert took < 60, f"stopped while building, not at the build's timeout: {took:.1f} s"
+    setup = [line.line for line in _logs(sessions, job_id) if line.rank is None]
+    assert any("DPTRAIN_MAX_ENV_BYTES" in line for line in setup), "the setup log says why the build ended"
+    key = environments.environment_key([BLOAT], settings=bounded)
+    assert not (bounded.env_cache / key).exists(), "nothing of the build is kept"
+    assert all(e["key"] != key for e in environments.cached(bounded.env_cache))

@@ -4,7 +4,9 @@ of the worker's DPTRAIN_* settings."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,18 +20,27 @@ from workers.rank_setup import RankSetup, prepare
 SPEC = {"name": "ranks", "recipe": "mlp", "checkpoint": {"keep_last": 2}}
 
 
+@pytest.fixture
+def hold() -> Iterator[contextlib.ExitStack]:
+    """What `prepare` holds for the attempt (a root worker's lease of the ranks' uid), ended after it."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
 def prepared(settings: Settings, tmp_path: Path) -> RankSetup:
     """The ranks' setup for attempt 1 of a recipe job on this worker."""
-    return prepare(
-        settings=settings,
-        spec=JobSpec.model_validate(SPEC),
-        job_id="job-1",
-        attempt=1,
-        run_dir=tmp_path / "run",
-        checkpoint_dir=tmp_path / "ckpt",
-        output_dir=tmp_path / "outputs",
-        unsandboxed=None,
-    )
+    with contextlib.ExitStack() as hold:
+        return prepare(
+            settings=settings,
+            spec=JobSpec.model_validate(SPEC),
+            job_id="job-1",
+            attempt=1,
+            run_dir=tmp_path / "run",
+            checkpoint_dir=tmp_path / "ckpt",
+            output_dir=tmp_path / "outputs",
+            unsandboxed=None,
+            hold=hold,
+        )
 
 
 @pytest.fixture
@@ -98,7 +109,12 @@ def test_a_job_env_cannot_name_the_data_root() -> None:
     ],
 )
 def test_oversubscribed_ranks_get_one_thread_each(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slots: int, env: dict[str, str], threads: str | None
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    hold: contextlib.ExitStack,
+    slots: int,
+    env: dict[str, str],
+    threads: str | None,
 ) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     setup = prepare(
@@ -110,5 +126,6 @@ def test_oversubscribed_ranks_get_one_thread_each(
         checkpoint_dir=tmp_path / "ckpt",
         output_dir=tmp_path / "outputs",
         unsandboxed=None,
+        hold=hold,
     )
     assert setup.env.get("OMP_NUM_THREADS") == threads, setup.env
