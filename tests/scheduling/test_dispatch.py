@@ -64,6 +64,8 @@ class TestBackgroundDispatcher:
         sender.start_node(B)
         took = time.monotonic() - began
         assert took < 0.5, f"handing over two starts took {took:.1f} s: the caller waited on the broker"
+        broker.down, broker.slow = False, 0.0  # lets the sender thread go idle
+        assert _until(lambda: not sender.due(), within=10)
 
     def test_a_start_sent_again_while_still_due_goes_out_once(self) -> None:
         broker = Broker(down=True)
@@ -78,8 +80,10 @@ class TestBackgroundDispatcher:
 
     def test_a_start_the_broker_keeps_refusing_holds_up_no_other(self) -> None:
         class RefusesA(Broker):
+            refuse = True
+
             def start_node(self, start: NodeStart) -> None:
-                if start == A:
+                if start == A and self.refuse:
                     raise ValueError("refused")
                 super().start_node(start)
 
@@ -89,6 +93,8 @@ class TestBackgroundDispatcher:
         sender.start_node(B)
         assert _until(lambda: broker.sent == [B], within=5), f"B must go out, got {broker.sent}"
         assert sender.due() == [A]
+        broker.refuse = False  # lets the sender thread go idle
+        assert _until(lambda: not sender.due(), within=5)
 
 
 @pytest.fixture
