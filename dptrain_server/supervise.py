@@ -14,6 +14,10 @@ backoff, and the API keeps serving meanwhile: the new worker ends the runs its p
 `running` before it places anything (docs/reliability.md, "Stopping a worker"), so their jobs are
 requeued or failed as for any lost worker, never left hanging. A dead API still stops `up`: one
 that cannot bind its port would otherwise be retried forever behind a prompt that looks alive.
+
+As their subreaper, `up` also reaps what it adopts: every sandbox's init outlives its bwrap (which
+exits without reaping it) and becomes `up`'s child, and a zombie left unreaped counts as alive to
+whoever waits for it to go. Its own children it leaves to their Popen, which needs their exit status.
 """
 
 from __future__ import annotations
@@ -101,6 +105,9 @@ class Supervisor:
         self.children: list[Child] = []
         self.signalled: int | None = None
         self.hurry = False
+        # Set by SIGCHLD: a child exited, ours or adopted; the main loop reaps the adopted ones.
+        self.reap_due = False
+        signal.signal(signal.SIGCHLD, self._on_child)
         # From before the first child starts: a signal meanwhile still stops what was started.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -159,6 +166,7 @@ class Supervisor:
         ended: Child | None = None
         while self.signalled is None and ended is None:
             time.sleep(POLL_SECONDS)
+            self._reap_adopted()
             ended = next((c for c in self.children if not self._tend(c)), None)
         if ended is not None and self.signalled is None:
             # Jobs nobody can see or cancel are worse than none: without its API, `up` stops.
@@ -205,6 +213,21 @@ class Supervisor:
         left = [q for p in orphans for q in (p, *_descendants(p.pid))]
         _kill(left)
 
+    def _reap_adopted(self) -> None:
+        """Reap the adopted processes that exited since the last SIGCHLD, never a child of our own."""
+        if not self.reap_due:
+            return
+        self.reap_due = False  # before the look: an exit during it signals again
+        # Not waitpid(-1): it could take the exit status of the API or the worker from their Popen.
+        ours = {c.proc.pid for c in self.children if c.proc.returncode is None}
+        for p in _children(os.getpid()):
+            if p.pid not in ours:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(p.pid, os.WNOHANG)  # (0, 0) for one still running
+
+    def _on_child(self, signum: int, frame: FrameType | None) -> None:
+        self.reap_due = True
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # A second signal (an impatient Ctrl-C) stops waiting for anyone: SIGKILL what is left.
         self.hurry = self.signalled is not None
@@ -221,6 +244,7 @@ class Supervisor:
                 deadline = time.monotonic() + child.stop_seconds
                 while child.proc.poll() is None and time.monotonic() < deadline and not self.hurry:
                     time.sleep(POLL_SECONDS)
+                    self._reap_adopted()  # the worker's stop kills sandboxes, whose inits come to us
             if child.proc.poll() is None:
                 console.print(f"[yellow]the {child.name} did not stop in time; killing it[/yellow]")
                 child.proc.kill()

@@ -19,7 +19,7 @@ from service.code.router import router as code_router
 from service.config import Settings, get_settings
 from service.dashboard.router import install_dashboard
 from service.db import session_factory
-from service.dispatch import CeleryDispatcher, Dispatcher
+from service.dispatch import Dispatcher, node_dispatcher
 from service.errors import install_error_handler
 from service.headers import SecurityHeaders
 from service.jobs.artifacts_router import router as artifacts_router
@@ -82,7 +82,7 @@ def create_app(
     # periodic round; row locks keep concurrent placements (other API processes, workers) apart.
     app.state.scheduler = scheduler or Scheduler(
         sessions=app.state.session_factory,
-        dispatcher=dispatcher or CeleryDispatcher(settings),
+        dispatcher=dispatcher or node_dispatcher(settings),
         settings=settings,
     )
     install_error_handler(app)

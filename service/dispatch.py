@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from celery import Celery
 
@@ -14,6 +16,21 @@ from service.files import create_private_sqlite
 log = logging.getLogger(__name__)
 
 RUN_NODE_TASK = "dptrain.run_node"
+
+# kombu's own retry around one publish (Connection.ensure): on a connection error it opens the
+# connection again and publishes after 0, 1 and 2 s. A blip costs a publish a few seconds; a broker
+# that stays down fails it, and BackgroundDispatcher keeps the start for its next try.
+PUBLISH_RETRY_POLICY: dict[str, Any] = {
+    "max_retries": 3,
+    "interval_start": 0,
+    "interval_step": 1,
+    "interval_max": 2,
+}
+# How often starts whose publish failed are tried again: a node placed while the broker was down
+# starts within seconds of its return. A start that was published and then lost (a broker that
+# dropped it, a worker that died holding it) is sent again only by the reconciler, after
+# DPTRAIN_REPUBLISH_AFTER_SECONDS: nothing in this process can tell it apart from a slow start.
+RESEND_SECONDS = 3.0
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
@@ -79,9 +96,88 @@ class CeleryDispatcher:
         self.app.conf.update(celery_config(settings))
 
     def start_node(self, start: NodeStart) -> None:
-        """Publish one node start; ids only, never objects (Celery's own advice)."""
+        """Publish one node start, ids only (Celery's own advice); raises if the broker stays down."""
         self.app.send_task(
             RUN_NODE_TASK,
             args=[start.job_id, start.attempt, start.node_rank, start.endpoint],
             queue=node_queue(self.queue, start.worker),
+            retry=True,
+            retry_policy=PUBLISH_RETRY_POLICY,
         )
+
+
+class BackgroundDispatcher:
+    """Publishes node starts from a thread of its own; a start whose publish failed is kept and tried
+    again every `resend_seconds` until it goes out.
+
+    So no placement round (nor the reconciler) waits on a broker that is down, and a node placed
+    meanwhile starts soon after the broker's return rather than at the reconciler's republish.
+    Held in memory: starts a process dies with are the reconciler's to send again. A start sent
+    twice is harmless (a node starts only through a conditional UPDATE, scheduling.repository.accept).
+    """
+
+    def __init__(self, inner: Dispatcher, *, resend_seconds: float = RESEND_SECONDS) -> None:
+        self.inner, self.resend_seconds = inner, resend_seconds
+        self._due: dict[tuple[str, int, int], NodeStart] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def start_node(self, start: NodeStart) -> None:
+        """Hand one node start to the sender thread; never blocks on the broker."""
+        with self._lock:
+            # One per node of an attempt: the reconciler's resend of a start still due here adds nothing.
+            self._due.setdefault((start.job_id, start.attempt, start.node_rank), start)
+            if self._thread is None:  # started on first use: an app built by a test may never send
+                self._thread = threading.Thread(target=self._run, name="dptrain-start-sender", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def due(self) -> list[NodeStart]:
+        """The starts not sent yet, oldest first."""
+        with self._lock:
+            return list(self._due.values())
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            while not self._send_due():
+                # The broker is down: starts placed meanwhile join the next try, not one each. A loop
+                # of ours around kombu's bounded retry, not kombu's retry forever: a start refused for
+                # another reason than the connection would leave kombu's at once, and be lost.
+                time.sleep(self.resend_seconds)
+
+    def _send_due(self) -> bool:
+        """Publish every due start, oldest first; False when one failed (it and the rest wait)."""
+        sent = 0
+        for start in self.due():
+            key = (start.job_id, start.attempt, start.node_rank)
+            try:
+                self.inner.start_node(start)
+            except Exception:  # noqa: BLE001 - the broker unreachable, or refusing: try again later
+                with self._lock:  # last in line: one start the broker keeps refusing holds up no other
+                    if key in self._due:
+                        self._due[key] = self._due.pop(key)
+                if not self._failing:
+                    log.warning(
+                        "sending node starts failed; %d wait, tried again every %g s",
+                        len(self.due()),
+                        self.resend_seconds,
+                        exc_info=True,
+                    )
+                self._failing = True
+                return False
+            with self._lock:
+                self._due.pop(key, None)
+            sent += 1
+        if self._failing:
+            log.info("sending node starts works again: sent %d", sent)
+            self._failing = False
+        return True
+
+
+def node_dispatcher(settings: Settings) -> Dispatcher:
+    """How placement and the reconciler send node starts in the API and worker processes."""
+    return BackgroundDispatcher(CeleryDispatcher(settings))

@@ -56,7 +56,7 @@ def _start_background(sender: Any = None, **_: Any) -> None:
     if not _ours(sender):
         return
     from service.db import session_factory
-    from service.dispatch import CeleryDispatcher
+    from service.dispatch import node_dispatcher
     from service.scheduling.scheduler import Scheduler
     from workers import runner
     from workers.environments import listed_environments
@@ -77,7 +77,7 @@ def _start_background(sender: Any = None, **_: Any) -> None:
         )
     except Exception:  # noqa: BLE001 - e.g. the database still starting: the reconciler does it later
         log.warning("ending this node's runs of an earlier process failed", exc_info=True)
-    dispatcher = CeleryDispatcher(settings)
+    dispatcher = node_dispatcher(settings)
     scheduler = Scheduler(sessions=session_factory(settings), dispatcher=dispatcher, settings=settings)
     # This node's slots are free again when one of its runs ends: place what waits right away.
     runner.on_release.append(scheduler.kick)

@@ -1,8 +1,10 @@
 """Every worker's housekeeping loop: lost node starts, lost workers, expired history.
 
 - Send again the start of a placed node that its worker never started: placement commits before it
-  sends; if the broker was down, or the sender died in between, the row is there but no message is.
-  Duplicates are harmless because a node starts only through a conditional UPDATE.
+  sends; if the sender died in between, or the broker lost the message, the row is there but no
+  message is. (A publish the broker refused is tried again within seconds by the sender itself,
+  service/dispatch.py.) Duplicates are harmless because a node starts only through a conditional
+  UPDATE.
 - Take running jobs away when any of their nodes' workers stopped beating (the attempt lease) and
   restart or fail them, fenced by the attempt's claim token.
 - Delete the log lines and metric points of jobs finished longer ago than the retention, and the

@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,17 +299,37 @@ def kill_sandbox(proc: subprocess.Popen[bytes]) -> None:
         # (and its pid may be another process's by now).
         return
     init = init_pid(proc)
+    box = None
     if init is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            box = psutil.Process(init)  # before the kill: once reaped, its pid may be another's
         _kill(init, signal.SIGKILL, group=False)
     _kill(proc.pid, signal.SIGKILL, group=True)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         log.error("bwrap (pid %s) did not exit after SIGKILL", proc.pid)
-    if init is not None:
-        # An init's exit waits until the kernel has reaped every process of its namespace.
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.TimeoutExpired):
-            psutil.Process(init).wait(timeout=30)
+    if box is not None:
+        _wait_ended(box, timeout=30)
+
+
+def _wait_ended(init: psutil.Process, *, timeout: float) -> None:
+    """Wait until the sandbox's init has exited: gone, or a zombie.
+
+    An init's exit waits until the kernel has reaped every process of its namespace, so a zombie
+    init is an empty sandbox. Its bwrap, killed with it, mostly dies first: then the init is no
+    child of ours but of PID 1 or of `dptrain up` (their subreaper), and when they reap it is none
+    of our business. psutil's wait for a process not our child counts a zombie as running.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if init.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    log.error("the sandbox's init (pid %s) did not exit after SIGKILL", init.pid)
 
 
 def _kill(pid: int, sig: int, *, group: bool) -> None:

@@ -2,8 +2,10 @@
 
 `schedule_once` decides under row locks in one transaction (moving each placed job to `running`
 with a new attempt and writing its job_nodes rows), and only after that commits sends each chosen
-node its own start message on that node's queue. A lost message is sent again by the reconciler
-(`republish_unstarted`); a node that never joins ends the attempt at the rendezvous timeout.
+node its own start message on that node's queue, through a sender thread (service/dispatch.py) that
+tries a publish the broker refused again every few seconds. A message lost after all (its process
+died first, or the broker dropped it) is sent again by the reconciler (`republish_unstarted`); a
+node that never joins ends the attempt at the rendezvous timeout.
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def _start(session: Session, *, chosen: list[tuple[Pending, Decision, int | None
 
 
 def send(dispatcher: Dispatcher, placed: list[Placed]) -> None:
-    """Send the start messages of committed placements; a failed send is retried by the reconciler."""
+    """Send the start messages of committed placements; a send that failed is the reconciler's to retry."""
     for p in placed:
         for start in p.starts:
             try:

@@ -44,10 +44,12 @@ def running_stack(
         broker_url=broker_url,
         # A queue of this run's own, so parallel runs on one broker never take each other's jobs.
         queue=f"dptrain-e2e-{uuid.uuid4().hex[:8]}",
-        # Short, so the lost-publish test does not wait ten minutes.
-        DPTRAIN_REPUBLISH_AFTER_SECONDS="3",
-        DPTRAIN_RECONCILE_INTERVAL_SECONDS="1",
-        **extra_env,
+        **{
+            # Short, so the lost-publish test does not wait ten minutes.
+            "DPTRAIN_REPUBLISH_AFTER_SECONDS": "3",
+            "DPTRAIN_RECONCILE_INTERVAL_SECONDS": "1",
+            **extra_env,
+        },
     )
     procs = Procs(tmp)
     port = free_port()

@@ -36,6 +36,11 @@ HOME_LENGTH = 100
 # after the default half hour; a healthy job here writes a log line well within it, even on a busy host.
 STALL_SECONDS = 90
 JOB_TIMEOUT = 240
+# A cancel asks a command job to stop, signals it after the cancel grace and SIGKILLs its sandbox
+# after the same grace again: a job that ignores the signal is gone after both and a few seconds
+# more, as on a cluster worker (where nothing is left unreaped to wait for).
+CANCEL_GRACE_SECONDS = 2
+CANCEL_SECONDS = 20
 
 
 @dataclass
@@ -97,7 +102,12 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """`dptrain up` as this (root) test runs it, under a 100-character home, the sandbox required."""
     base = tmp_path_factory.mktemp("sandbox")
     home = _long_home(base)
-    env = clean_env(DPTRAIN_HOME=str(home), DPTRAIN_REPORT_INTERVAL_SECONDS="0.2", DPTRAIN_SANDBOX="required")
+    env = clean_env(
+        DPTRAIN_HOME=str(home),
+        DPTRAIN_REPORT_INTERVAL_SECONDS="0.2",
+        DPTRAIN_SANDBOX="required",
+        DPTRAIN_CANCEL_GRACE_SECONDS=str(CANCEL_GRACE_SECONDS),
+    )
     procs = Procs(base)
     port = free_port()
     procs.start("up", ["up", "--port", str(port)], env, cwd=base)
@@ -273,3 +283,45 @@ def _scratch_removed(up: Up, job_id: str, marker: str, roots: list[Path]) -> Non
     )
     metrics = up.http.get(f"/v1/jobs/{job_id}/metrics").json()["series"]
     assert metrics.get("loss") == [[1, 0.5]], f"expected the reported metric to stay: {metrics}"
+
+
+def _zombies(up: Up) -> list[psutil.Process]:
+    """`up`'s children that exited and were never reaped."""
+    found = []
+    for child in psutil.Process(up.procs.popen("up").pid).children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                found.append(child)
+        except psutil.NoSuchProcess:  # reaped since it was listed
+            continue
+    return found
+
+
+def test_a_cancelled_job_s_sandbox_leaves_no_zombie_and_the_cancel_does_not_wait_for_one(up: Up) -> None:
+    # Ignores SIGTERM: its sandbox is SIGKILLed, whose init `up` then adopts (it is its subreaper).
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+    code += "time.sleep(600)"
+    job_id = up.submit(
+        {"name": "cancelled", "command": ["python", "-c", code], "stall_timeout_seconds": STALL_SECONDS}
+    )
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while "up" not in up.log(job_id).split():
+        job = up.http.get(f"/v1/jobs/{job_id}").json()
+        assert job["status"] in ("queued", "running") and time.monotonic() < deadline, (
+            f"expected the job to run and print 'up': {job}\n{up.procs.logs()}"
+        )
+        time.sleep(0.2)
+    began = time.monotonic()
+    assert up.http.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+    job = wait_for_terminal(up.http, job_id, procs=up.procs, timeout=120)
+    took = time.monotonic() - began
+    assert job["status"] == "cancelled", job
+    assert took < CANCEL_SECONDS, (
+        f"the cancel took {took:.0f} s; on a cluster worker it takes the two {CANCEL_GRACE_SECONDS} s "
+        f"graces and a few seconds, well under {CANCEL_SECONDS} s:\n{up.procs.logs()}"
+    )
+    # Every sandbox of this module's jobs, this one's included, has exited: `up` reaped them all.
+    deadline = time.monotonic() + 5
+    while (left := _zombies(up)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"expected `up` to reap every process it adopted; zombies left: {[p.pid for p in left]}"
