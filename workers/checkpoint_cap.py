@@ -14,7 +14,6 @@ growing the size.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from api_schemas import JobError
 from workers.outputs import CHECK_SECONDS, size_text
+from workers.periodic_check import PeriodicCheck
 
 ERROR_TYPE = "CheckpointTooLarge"
 SETTING = "DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB"
@@ -56,7 +56,7 @@ def over_cap(directory: Path, *, cap: int) -> JobError | None:
     return JobError(type=ERROR_TYPE, message=message)
 
 
-class CheckpointGuard:
+class CheckpointGuard(PeriodicCheck):
     """The check of a running job's checkpoint folder against its cap, at most every `every` seconds."""
 
     def __init__(
@@ -67,23 +67,14 @@ class CheckpointGuard:
         every: float = CHECK_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.directory, self.cap, self.every, self.clock = directory, cap, every, clock
-        self.error: JobError | None = None
-        self._next = clock() + every
-
-    def over(self) -> bool:
-        """Whether the folder went over the cap (measured when due; once over, always over)."""
-        if self.error is None and self.clock() >= self._next:
-            self._next = self.clock() + self.every
-            with contextlib.suppress(OSError):  # a folder being rewritten: the next look, or the end's
-                self.error = over_cap(self.directory, cap=self.cap)
-        return self.error is not None
+        self.directory, self.cap = directory, cap
+        super().__init__(lambda: over_cap(self.directory, cap=self.cap), every=every, clock=clock)
 
     def at_end(self) -> JobError | None:
         """Measure once more after the ranks are gone: what the attempt leaves behind."""
         if self.error is None:
             try:
-                self.error = over_cap(self.directory, cap=self.cap)
+                self.error = self.check()
             except OSError:
                 return None
         return self.error

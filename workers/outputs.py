@@ -11,7 +11,6 @@ OutputTooLarge, which a restart would only meet again (workers/attempts.NOT_RETR
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -27,6 +26,7 @@ from api_schemas import JobError
 from service.files import open_beneath
 from service.jobs import artifacts_repository, lifecycle
 from service.jobs.artifacts_repository import ArtifactRow
+from workers.periodic_check import PeriodicCheck
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def sha256_of(directory: Path, relative: str) -> tuple[int, str] | None:
     return size, digest.hexdigest()
 
 
-class Guard:
+class Guard(PeriodicCheck):
     """The check of a running job's outputs against its limits, at most every `every` seconds."""
 
     def __init__(
@@ -165,18 +165,12 @@ class Guard:
         every: float = CHECK_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.directory, self.limits, self.every, self.clock = directory, limits, every, clock
-        self.error: JobError | None = None
-        self._next = clock() + every
+        self.directory, self.limits = directory, limits
+        super().__init__(self._over_limits, every=every, clock=clock)
 
-    def over(self) -> bool:
-        """Whether the outputs went over a limit (measured when due; once over, always over)."""
-        if self.error is None and self.clock() >= self._next:
-            self._next = self.clock() + self.every
-            with contextlib.suppress(OSError):  # a folder being rewritten: the next look, or the end's
-                if why := measure(self.directory, self.limits).over:
-                    self.error = JobError(type=ERROR_TYPE, message=why)
-        return self.error is not None
+    def _over_limits(self) -> JobError | None:
+        why = measure(self.directory, self.limits).over
+        return JobError(type=ERROR_TYPE, message=why) if why else None
 
 
 def record(
