@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.engine_fixtures import read_events
-from workers.engine.launch import ENGINE_MAIN, torchrun_command
-from workers.procs import rank_processes
+from workers.attempt.launch import ENGINE_MAIN, torchrun_command
+from workers.sandbox.procs import rank_processes
 
 REPO = Path(__file__).resolve().parents[2]
 

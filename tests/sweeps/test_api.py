@@ -117,7 +117,7 @@ def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones(
     shown = client.get(f"/v1/sweeps/{sweep['id']}").json()
     assert shown["trials"][2]["status"] == "pruned" and shown["state"] == "running"  # its ranks not yet gone
     with sessions.begin() as session:
-        # How its worker ends the stopped run (workers/attempts.py): pruned, not cancelled.
+        # How its worker ends the stopped run (workers/attempt/end.py): pruned, not cancelled.
         dst, reason = lifecycle.end_of_cancelled_run(
             finished=False, pruned=lifecycle.prune_requested(session, job_id=job.id)
         )

@@ -17,9 +17,9 @@ from service.jobs import repository as jobs_repository
 from service.jobs.stored import describe
 from service.models.base import utcnow
 from service.scheduling import repository as placement
-from workers import init_checkpoint
-from workers.engine.launch import Rendezvous
-from workers.node_run import Attempt, NodeRun
+from workers.attempt import init_checkpoint
+from workers.attempt.launch import Rendezvous
+from workers.attempt.node_run import Attempt, NodeRun
 
 
 @dataclass(frozen=True)

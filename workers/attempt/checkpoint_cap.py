@@ -1,8 +1,8 @@
 """A job's checkpoint folder against DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB, while its ranks run and at the end.
 
-Like the outputs (workers/outputs.py): a walk that follows no link, every few seconds while the
+Like the outputs (workers/attempt/outputs.py): a walk that follows no link, every few seconds while the
 ranks run and again at the attempt's end; past the cap the ranks are stopped and the job fails with
-CheckpointTooLarge, which a restart would only meet again (workers/attempts.NOT_RETRIED).
+CheckpointTooLarge, which a restart would only meet again (workers/attempt/end.NOT_RETRIED).
 
 Everything in the folder counts, not only checkpoints: sidecars, temp files of a save, a best
 marker, and whatever junk the ranks write there, folders and links included. Each entry counts
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from api_schemas import JobError
-from workers.outputs import CHECK_SECONDS, size_text
-from workers.periodic_check import PeriodicCheck
+from workers.attempt.outputs import CHECK_SECONDS, size_text
+from workers.attempt.periodic_check import PeriodicCheck
 
 ERROR_TYPE = "CheckpointTooLarge"
 SETTING = "DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB"

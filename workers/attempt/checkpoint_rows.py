@@ -18,8 +18,8 @@ from rank_contract.checkpoints import MAX_STEP, checkpoint_name, step_of
 from service.files import open_beneath
 from service.jobs import repository as jobs_repository
 from service.models.base import utcnow
+from workers.attempt.node_run import Attempt
 from workers.engine.checkpoint import CheckpointManager, best_marker
-from workers.node_run import Attempt
 
 # A sidecar holds one digest and a name; the best marker one step: more is not theirs.
 _SMALL_FILE_BYTES = 4096

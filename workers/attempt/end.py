@@ -12,13 +12,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from rank_contract.files import read_file
 from service.jobs import lifecycle
+from workers.attempt.node_run import Attempt, NodeRun, RunPaths
 from workers.engine.events import TRACEBACK_TAIL_LINES
-from workers.node_run import Attempt, NodeRun, RunPaths
-from workers.rank_text import escape_strings, escape_text
+from workers.reporting.rank_text import escape_strings, escape_text
 
 if TYPE_CHECKING:
-    from workers.reporting import Reporter
-    from workers.watch import Watch
+    from workers.attempt.watch import Watch
+    from workers.reporting.reporter import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ _TAIL_BYTES = 64 << 10
 # a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
 # else -- a signal, a lost peer (Gloo/NCCL errors are RuntimeErrors), an OOM, a timeout, the
 # launcher itself -- is retried while the job has restarts left. Names are class names, as the
-# engine and a command's rank report them (workers/rank_failure.py): a subclass is listed itself.
+# engine and a command's rank report them (workers/command/failure.py): a subclass is listed itself.
 # See docs/reliability.md.
 NOT_RETRIED = frozenset(
     {
@@ -75,19 +75,19 @@ NOT_RETRIED = frozenset(
         # code. LoaderProcessDied (a signal: the OOM killer, a kill from outside) and LoaderTimeout (a
         # loader stuck, most often on a read from network storage) are retried: they need not repeat.
         "PicklingError",
-        # The job's DPTRAIN_OUTPUT_DIR is over its limits (workers/outputs.py): the same script
+        # The job's DPTRAIN_OUTPUT_DIR is over its limits (workers/attempt/outputs.py): the same script
         # writes the same outputs again.
         "OutputTooLarge",
-        # Its checkpoint folder is over DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB (workers/checkpoint_cap.py):
-        # the same saves fill it again.
+        # Its checkpoint folder is over DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB
+        # (workers/attempt/checkpoint_cap.py): the same saves fill it again.
         "CheckpointTooLarge",
         # The job's init_from checkpoint is gone or not the bytes recorded at submit
-        # (workers/init_checkpoint.py): a restart reads the same file.
+        # (workers/attempt/init_checkpoint.py): a restart reads the same file.
         "InitCheckpointMismatch",
         "InitCheckpointMissing",
         # The job's environment cannot be built (the resolver's refusal, a missing package, the index
         # unreachable past the build's timeout) or its requirements file is not in the code
-        # (workers/environments.py): the same requirements meet the same index again.
+        # (workers/pyenv/environments.py): the same requirements meet the same index again.
         "EnvironmentBuildFailed",
         "RequirementsFileMissing",
         # The build wrote past DPTRAIN_MAX_ENV_BYTES: the same requirements write as much again.
@@ -96,7 +96,7 @@ NOT_RETRIED = frozenset(
 )
 
 
-# The end of an attempt whose worker was told to stop (workers/watch.py). Not the job's doing, so
+# The end of an attempt whose worker was told to stop (workers/attempt/watch.py). Not the job's doing, so
 # not charged to it: the job is requeued whatever its restart budget, and the budget grows by one,
 # so that it keeps every restart it was given for its own failures (an evicted pod is not a failed
 # one either). The crash of a worker stays a WorkerLost, charged: nobody can tell it from a fault
@@ -167,7 +167,7 @@ def finish(
     """
     # The one place a job's `error` column is written from (placement's claim only clears it). Its
     # text is a rank's (a message, a traceback, what torchrun's error file said): escaped, so that
-    # the database takes it and a terminal shows it (workers/rank_text.py).
+    # the database takes it and a terminal shows it (workers/reporting/rank_text.py).
     values = {**(values or {}), **({"error": escape_strings(error.model_dump())} if error else {})}
     reason = reason or (error.message if error else None)
     reason = escape_text(reason, newlines=True) if reason is not None else None
@@ -279,6 +279,6 @@ def record_outcome(
         return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
     error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
     if reporter.state.stacks_summary:
-        # Where the other ranks were when a collective timed out (workers/stack_watch.py).
+        # Where the other ranks were when a collective timed out (workers/reporting/stack_watch.py).
         error = error.model_copy(update={"message": f"{error.message}; {reporter.state.stacks_summary}"})
     return end_abnormally(sessions, att=att, error=error)

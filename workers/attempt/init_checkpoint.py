@@ -3,7 +3,7 @@
 The service pinned the file under the job's folder (service/jobs/init_from.py). Before the ranks
 start, while the job has no checkpoint of its own (its own always win), every node hashes the file
 and refuses to start on a mismatch: a damaged or replaced source would otherwise train on silently.
-A mismatch is not retried (attempts.NOT_RETRIED): the same file fails the same way.
+A mismatch is not retried (workers/attempt/end.NOT_RETRIED): the same file fails the same way.
 """
 
 from __future__ import annotations

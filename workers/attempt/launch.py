@@ -4,48 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The rank entry point, by absolute path: torchrun's --run-path wants a file, not a module name.
-ENGINE_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "main.py")
-
-
-def _start_time(pid: int) -> str | None:
-    """The start time of `pid` in clock ticks since boot (/proc/PID/stat field 22), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: count from the last ')'.
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def supervisor_id(pid: int | None = None) -> str:
-    """The value of SUPERVISOR_ENV (rank_contract.env) for this process; its start time guards pid reuse."""
-    pid = pid or os.getpid()
-    return f"{pid}:{_start_time(pid)}"
-
-
-def watch_supervisor(value: str | None, *, interval: float = 1.0) -> threading.Thread | None:
-    """Exit this process (code 70) as soon as the supervisor named by `value` is gone."""
-    if not value or ":" not in value or not os.path.isdir("/proc"):
-        return None
-    pid_s, start = value.split(":", 1)
-    pid = int(pid_s)
-
-    def watch() -> None:
-        while _start_time(pid) == start:
-            time.sleep(interval)
-        print(f"supervisor {pid} is gone: this rank exits", file=sys.stderr, flush=True)
-        os._exit(70)
-
-    thread = threading.Thread(target=watch, name="dptrain-supervisor-watch", daemon=True)
-    thread.start()
-    return thread
+ENGINE_MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "main.py")
 
 
 @dataclass(frozen=True)
@@ -90,7 +53,7 @@ def torchrun_command(
     Engine ranks on CPU are forked from a warm agent (workers.engine.agent: torch imported once, not
     once per rank); CUDA ranks start as fresh interpreters under plain torchrun, since CUDA does not
     survive a fork of a process that may have touched the driver. A `command` job's ranks are
-    `workers.command_rank` under plain torchrun, each starting the user's program.
+    `workers.command.main` under plain torchrun, each starting the user's program.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -106,10 +69,10 @@ def torchrun_command(
     if command is not None:
         # The user's program gets torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) as under
         # their own torchrun; the wrapper keeps the job id on a command line procs can find.
-        run = ["torch.distributed.run", *per_node, "-m", "workers.command_rank"]
+        run = ["torch.distributed.run", *per_node, "-m", "workers.command.main"]
         # torchrun reads each argument as a string.Template (`$$` becomes `$`, `${local_rank}` the
         # local rank): doubled, every `$` reaches the wrapper as written, and only the wrapper
-        # expands (`$(NAME)`, workers/command_args.py).
+        # expands (`$(NAME)`, workers/command/args.py).
         return [sys.executable, "-m", *run, *ids, "--", *(arg.replace("$", "$$") for arg in command)]
     if device == "cpu":
         # Each forked rank runs main.py by path (runpy); its arguments below stay on the agent's

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from api_schemas import JobSpec
 from rank_contract.files import create_beneath
-from workers.engine.launch import Rendezvous
-from workers.init_checkpoint import InitCheckpoint
+from workers.attempt.init_checkpoint import InitCheckpoint
+from workers.attempt.launch import Rendezvous
 
 
 @dataclass(frozen=True)

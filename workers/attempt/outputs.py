@@ -6,7 +6,7 @@ out, and every file is opened with no link followed on its way (service.files.op
 is left out is said in the job's timeline.
 The limits (DPTRAIN_MAX_OUTPUT_BYTES_PER_JOB, DPTRAIN_MAX_OUTPUT_FILES_PER_JOB) are checked every
 few seconds while the ranks run and again at the attempt's end; past either the job fails with
-OutputTooLarge, which a restart would only meet again (workers/attempts.NOT_RETRIED).
+OutputTooLarge, which a restart would only meet again (workers/attempt/end.NOT_RETRIED).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from api_schemas import JobError
 from service.files import open_beneath
 from service.jobs import artifacts_repository, lifecycle
 from service.jobs.artifacts_repository import ArtifactRow
-from workers.periodic_check import PeriodicCheck
+from workers.attempt.periodic_check import PeriodicCheck
 
 log = logging.getLogger(__name__)
 

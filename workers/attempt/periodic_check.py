@@ -1,8 +1,9 @@
 """A limit on what a running job leaves on disk, checked every few seconds while its ranks run.
 
-The outputs' and the checkpoint folder's caps (workers/outputs.py, workers/checkpoint_cap.py) walk
-a folder the ranks are writing: too costly for every tick of the watch loop, so each look is spaced
-by `every` seconds, and once over a limit the attempt stays over (the ranks are being stopped).
+The outputs' and the checkpoint folder's caps (workers/attempt/outputs.py,
+workers/attempt/checkpoint_cap.py) walk a folder the ranks are writing: too costly for every tick of
+the watch loop, so each look is spaced by `every` seconds, and once over a limit the attempt stays
+over (the ranks are being stopped).
 """
 
 from __future__ import annotations

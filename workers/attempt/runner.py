@@ -26,22 +26,24 @@ from service.db import session_factory
 from service.files import PRIVATE_UMASK
 from service.jobs import lifecycle
 from service.scheduling import repository as placement
-from workers import env_setup, init_checkpoint, sandbox
-from workers.acceptance import Unrunnable, accept
-from workers.attempts import WORKER_STOPPED, end_abnormally, finish, note_unsandboxed, record_outcome
-from workers.checkpoint_cap import CheckpointGuard
-from workers.checkpoint_rows import missing_checkpoints, sync_checkpoints
-from workers.engine.launch import torchrun_command
-from workers.environments import Aborted, EnvironmentFailed
-from workers.node_run import NodeRun, RunPaths
-from workers.outputs import Guard, Limits
-from workers.outputs import record as record_outputs
-from workers.procs import interface_of, kill_group, stop_group, sweep_ranks
-from workers.rank_setup import RankSetup, SetupFailed, prepare, take_back
-from workers.reporting import Reporter, final_flush
-from workers.scratch import remove_earlier, remove_scratch
-from workers.stack_watch import StackWatch
-from workers.watch import Watch, stop_file, stopping
+from workers.attempt import init_checkpoint
+from workers.attempt.acceptance import Unrunnable, accept
+from workers.attempt.checkpoint_cap import CheckpointGuard
+from workers.attempt.checkpoint_rows import missing_checkpoints, sync_checkpoints
+from workers.attempt.end import WORKER_STOPPED, end_abnormally, finish, note_unsandboxed, record_outcome
+from workers.attempt.launch import torchrun_command
+from workers.attempt.node_run import NodeRun, RunPaths
+from workers.attempt.outputs import Guard, Limits
+from workers.attempt.outputs import record as record_outputs
+from workers.attempt.watch import Watch, stop_file, stopping
+from workers.pyenv import provision
+from workers.pyenv.environments import Aborted, EnvironmentFailed
+from workers.reporting.reporter import Reporter, final_flush
+from workers.reporting.stack_watch import StackWatch
+from workers.sandbox import bubblewrap
+from workers.sandbox.procs import interface_of, kill_group, stop_group, sweep_ranks
+from workers.sandbox.rank_setup import RankSetup, SetupFailed, prepare, take_back
+from workers.sandbox.scratch import remove_earlier, remove_scratch
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +172,7 @@ def _prepare_and_launch(
             checkpoint_dir=paths.checkpoint_dir,
             output_dir=paths.output_dir,
             # Probed once per worker process, for real (the worker's start did it already).
-            unsandboxed=sandbox.unavailable(settings.sandbox),
+            unsandboxed=bubblewrap.unavailable(settings.sandbox),
             hold=hold,
             multi_node=run.nnodes > 1,
             interface=interface_of(run.address) if run.rendezvous is not None else None,
@@ -237,7 +239,7 @@ def _launch(
     cap = settings.max_checkpoint_bytes_per_job
     ckpt_guard = CheckpointGuard(paths.checkpoint_dir, cap=cap) if run.is_primary else None
     try:
-        setup = env_setup.enter(
+        setup = provision.enter(
             hold, sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, reporter=reporter
         )
     except EnvironmentFailed as exc:
@@ -315,7 +317,7 @@ def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetu
     user: dict[str, Any] = {"umask": PRIVATE_UMASK}
     if setup.box is not None:
         # bwrap starts as the worker; a root worker's sandbox switches to the ranks' user inside.
-        argv = sandbox.bwrap_argv(setup.box, argv)
+        argv = bubblewrap.bwrap_argv(setup.box, argv)
     elif setup.run_as is not None:
         user |= setup.run_as.popen_args()
     proc = _start_ranks(argv, env=setup.env, cwd=setup.cwd, log_path=paths.launcher_log, user=user)

@@ -1,7 +1,7 @@
 """Why and when a node stops its ranks: cancel, deadline, fencing, a stall, outputs, checkpoints.
 
-Outputs: the job's DPTRAIN_OUTPUT_DIR went over its limits (workers/outputs.py). Checkpoints: its
-checkpoint folder went over DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB (workers/checkpoint_cap.py).
+Outputs: the job's DPTRAIN_OUTPUT_DIR went over its limits (workers/attempt/outputs.py). Checkpoints: its
+checkpoint folder went over DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB (workers/attempt/checkpoint_cap.py).
 
 A hung rank never fails on its own (a collective waiting on a dead peer, a script blocked on I/O),
 so silence is a failure too: no step reported and no log line written for the job's
@@ -11,7 +11,7 @@ sees the stop file) and signalled only after the grace period, so it can checkpo
 A worker that is told to stop (SIGTERM, SIGINT: systemd, `docker stop`, Ctrl-C on `dptrain up`)
 stops every run's ranks too: Celery's warm shutdown would wait for its running tasks, which
 supervise runs of hours. Each run hands its attempt back instead (requeued, not counted against the
-job's restarts: workers/attempts.py) and resumes from its last checkpoint.
+job's restarts: workers/attempt/end.py) and resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rank_contract.files import touch_beneath
 # owns the job; stall: nobody is listening; outputs, checkpoints: every second writes more) signal
 # at once.
 ASKED_FIRST = frozenset({"cancel", "deadline"})
-# Set when this worker process begins to shut down (workers/celery_app.py): every run stops.
+# Set when this worker process begins to shut down (workers/node/celery_app.py): every run stops.
 stopping = threading.Event()
 # A stop for shutdown signals the ranks at once and SIGKILLs them after at most this long (a
 # command's SIGTERM handler may save a checkpoint meanwhile): `dptrain up` must be gone, ranks

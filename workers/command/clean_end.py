@@ -4,8 +4,8 @@
 job's work is done. A crash after that, typically of the interpreter's exit (torch's Gloo teardown
 now and then aborts with "terminate called without an active exception"), is a fault of the
 teardown, and failing the job for it (or restarting it, training everything again) would be wrong.
-The rank wrapper (workers.command_rank) asks `after_finish` how its program ended; the warning it
-gets goes to the job's timeline (workers.reporting).
+The rank wrapper (workers.command.main) asks `after_finish` how its program ended; the warning it
+gets goes to the job's timeline (workers.reporting.reporter).
 """
 
 from __future__ import annotations

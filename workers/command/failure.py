@@ -2,7 +2,7 @@
 
 In order, the first that answers:
 
-1. dptrain's start-up hook in the program's interpreter (workers/rank_hook/sitecustomize.py): the
+1. dptrain's start-up hook in the program's interpreter (workers/command/rank_hook/sitecustomize.py): the
    uncaught exception's type, message and traceback, as JSON in rank_contract.env.exception_file;
 2. torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE), written by a program whose entry point
    carries torch.distributed.elastic.multiprocessing.errors.record (the hook can be missing: an
@@ -13,7 +13,7 @@ In order, the first that answers:
    after another Python program took the hook's file, a hook that could not write);
 4. how the program ended: ProcessKilled (a signal) or ProcessExited (an exit code, sys.exit(3)).
 
-What is retried then depends on the type alone: workers.attempts.is_retryable.
+What is retried then depends on the type alone: workers.attempt.end.is_retryable.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """One rank of a command job: run the user's own program, log its output, report how it ended.
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m workers.command_rank \
+    python -m torch.distributed.run --standalone --nproc-per-node N -m workers.command.main \
         --job-id J --on-node NODE --run-dir RUN_DIR -- python train.py --epochs 1
 
 The job id stays on this wrapper's command line, where procs.rank_processes finds it; the user's
 program, its child, runs in the wrapper's process group, which procs.sweep_ranks kills whole.
 The program reports through the SDK (`import dptrain`) itself; this wrapper adds what only an
 outside observer can tell: its exit, as an error event when it failed, typed by the exception that
-ended the program wherever one can be found (workers/rank_failure.py).
+ended the program wherever one can be found (workers/command/failure.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
 from rank_contract.stacks import await_dump, collective_timed_out
-from workers.clean_end import after_finish
-from workers.command_args import expand_command
+from workers.command.args import expand_command
+from workers.command.clean_end import after_finish
+from workers.command.failure import failure, program_env
 from workers.engine.events import ErrorEvent, EventWriter, events_path
-from workers.engine.launch import supervisor_id
-from workers.engine.main import default_signals, own_session, redirect_output
-from workers.rank_failure import failure, program_env
+from workers.engine.process import default_signals, own_session, redirect_output, supervisor_id
 
 # Signals a rank may get directly rather than through its group; the wrapper passes them on.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -51,12 +50,12 @@ def parse_args(argv: Sequence[str]) -> Args:
     """Split `--job-id J [--on-node N] --run-dir R -- CMD...` (the program's own options untouched)."""
     argv = list(argv)
     if "--" not in argv or argv.index("--") == len(argv) - 1:
-        raise SystemExit("usage: workers.command_rank --job-id J [--on-node N] --run-dir R -- CMD [ARG...]")
+        raise SystemExit("usage: workers.command.main --job-id J [--on-node N] --run-dir R -- CMD [ARG...]")
     cut = argv.index("--")
     opts = dict(zip(argv[:cut:2], argv[1:cut:2], strict=True))
     unknown = set(opts) - {"--job-id", "--on-node", "--run-dir"}
     if unknown or "--job-id" not in opts or "--run-dir" not in opts:
-        raise SystemExit(f"workers.command_rank: bad options {argv[:cut]}")
+        raise SystemExit(f"workers.command.main: bad options {argv[:cut]}")
     return Args(opts["--job-id"], opts.get("--on-node", ""), Path(opts["--run-dir"]), argv[cut + 1 :])
 
 
@@ -71,7 +70,7 @@ def program(command: Sequence[str]) -> list[str]:
 def watch_supervisor_group(value: str | None, *, interval: float = 1.0) -> threading.Thread | None:
     """SIGKILL this process's whole group (the program too) as soon as the supervisor `value` is gone.
 
-    Like launch.watch_supervisor, but an exit of the wrapper alone would leave the program
+    Like process.watch_supervisor, but an exit of the wrapper alone would leave the program
     training on, beside the next attempt.
     """
     if not value or ":" not in value or not os.path.isdir("/proc"):

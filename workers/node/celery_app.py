@@ -14,7 +14,7 @@ from service.files import private_umask
 
 log = logging.getLogger(__name__)
 settings = get_settings()
-app = Celery("dptrain", include=["workers.tasks"])
+app = Celery("dptrain", include=["workers.node.tasks"])
 app.conf.update(celery_config(settings))
 app.conf.update(
     # The task only supervises torchrun subprocesses, so threads are enough and avoid forking a
@@ -35,7 +35,7 @@ _threads: list[Any] = []
 def _ours(sender: Any) -> bool:
     """Whether a worker signal is this app's: Celery's signals fire for every app's worker in the process.
 
-    The webhook sender (workers/webhooks.py) is another Celery app; where both are imported (a test
+    The webhook sender (service/webhooks/worker.py) is another Celery app; where both are imported (a test
     process, a tool), its worker must not start this node's heartbeat, placement and reconciler, nor
     set the process's umask.
     """
@@ -58,10 +58,10 @@ def _start_background(sender: Any = None, **_: Any) -> None:
     from service.db import session_factory
     from service.dispatch import node_dispatcher
     from service.scheduling.scheduler import Scheduler
-    from workers import runner
-    from workers.environments import listed_environments
-    from workers.heartbeat import Heartbeat, node_address, node_slots
-    from workers.reconciler import Reconciler, recover_lost
+    from workers.attempt import runner
+    from workers.node.heartbeat import Heartbeat, node_address, node_slots
+    from workers.node.reconciler import Reconciler, recover_lost
+    from workers.pyenv.environments import listed_environments
 
     device = app.conf.get("dptrain_device", "cpu")
     # Runs of this node still `running` from before this process started are gone with the process
@@ -107,7 +107,7 @@ def _start_background(sender: Any = None, **_: Any) -> None:
 @worker_shutting_down.connect
 def _stop_runs(**_: Any) -> None:
     """Stop placing, and stop every run's ranks now: Celery's warm shutdown would wait for them."""
-    from workers.watch import stopping
+    from workers.attempt.watch import stopping
 
     if not _threads:
         return  # not this node's worker (its sender is only a host name): another app's shutdown

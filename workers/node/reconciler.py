@@ -31,10 +31,10 @@ from service.jobs import repository
 from service.models.base import utcnow
 from service.scheduling import repository as scheduling
 from service.scheduling.service import republish_unstarted
-from workers.attempts import end_abnormally
-from workers.node_run import Attempt
-from workers.procs import sweep_ranks
-from workers.runner import active
+from workers.attempt.end import end_abnormally
+from workers.attempt.node_run import Attempt
+from workers.attempt.runner import active
+from workers.sandbox.procs import sweep_ranks
 
 log = logging.getLogger(__name__)
 

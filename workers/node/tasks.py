@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from service.config import get_settings
 from service.dispatch import RUN_NODE_TASK
-from workers.celery_app import app
-from workers.runner import run_node
+from workers.attempt.runner import run_node
+from workers.node.celery_app import app
 
 
 @app.task(name=RUN_NODE_TASK)

@@ -18,7 +18,7 @@ check afterwards refuses an environment whose files provide one of the worker's 
 (a local wheel, a URL).
 
 The installer runs in the same bubblewrap sandbox as the ranks, as their user (the attempt's own
-uid under a root worker: workers/rank_setup.ranks_user), seeing the worker's Python read-only and
+uid under a root worker: workers/sandbox/rank_setup.ranks_user), seeing the worker's Python read-only and
 only the environment's folder writable, with no cache shared between builds (a build runs the
 job's own code: an sdist's build script must not reach another job's wheels). The sandbox shares
 the host's network (no --unshare-net): the index must be reachable; nothing else of the host is
@@ -53,9 +53,16 @@ from api_schemas import JobError
 from rank_contract.files import create_beneath
 from service.config import Settings
 from service.jobs.requirements import OUR_PACKAGES, WORKER_DISTRIBUTIONS, protected
-from workers import sandbox
-from workers.environments import ERROR_TYPE, TOO_LARGE, Aborted, EnvironmentFailed, size_of, worker_versions
-from workers.procs import kill_group
+from workers.pyenv.environments import (
+    ERROR_TYPE,
+    TOO_LARGE,
+    Aborted,
+    EnvironmentFailed,
+    size_of,
+    worker_versions,
+)
+from workers.sandbox import bubblewrap
+from workers.sandbox.procs import kill_group
 
 POLL_SECONDS = 0.1
 TIMEOUT_SETTING = "DPTRAIN_ENV_BUILD_TIMEOUT_SECONDS"
@@ -79,7 +86,7 @@ class Builder:
     lines: list[str]
     settings: Settings
     log: Path
-    box: sandbox.Box | None
+    box: bubblewrap.Box | None
     uid: int | None = None
     gid: int | None = None
     code_dir: Path | None = None
@@ -135,7 +142,7 @@ class Builder:
         for link in filter(None, (s.strip() for s in self.settings.pip_find_links.split(","))):
             argv += ["--find-links", link]
         if self.box is not None:
-            box = sandbox.Box(
+            box = bubblewrap.Box(
                 run_dir=root,
                 checkpoint_dir=root,
                 workdir=self.code_dir or root,
@@ -144,7 +151,7 @@ class Builder:
                 uid=self.box.uid,
                 gid=self.box.gid,
             )
-            argv = sandbox.bwrap_argv(box, argv)
+            argv = bubblewrap.bwrap_argv(box, argv)
         if PRLIMIT is None:
             return argv
         return [PRLIMIT, f"--fsize={self.settings.max_env_bytes}", "--", *argv]

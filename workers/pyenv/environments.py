@@ -37,7 +37,7 @@ MANIFEST = "dptrain-env.json"
 _MAX_MANIFEST_BYTES = 1 << 16
 LOCK_POLL_SECONDS = 0.1
 ERROR_TYPE = "EnvironmentBuildFailed"
-# A build whose folder grew past DPTRAIN_MAX_ENV_BYTES (workers/env_build.py).
+# A build whose folder grew past DPTRAIN_MAX_ENV_BYTES (workers/pyenv/build.py).
 TOO_LARGE = "EnvironmentTooLarge"
 MISSING_FILE = "RequirementsFileMissing"
 

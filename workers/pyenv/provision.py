@@ -2,7 +2,7 @@
 
 Runs after the reporter exists, so the build's output (the `[setup]` lines of logs/setup.log) is
 shipped as it comes, a cancel is heard while it waits or builds, and its failure ends the attempt
-at once (EnvironmentBuildFailed, never retried: workers/attempts.NOT_RETRIED).
+at once (EnvironmentBuildFailed, never retried: workers/attempt/end.NOT_RETRIED).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.config import Settings
 from service.jobs import lifecycle, repository
 from service.models.base import utcnow
-from workers.env_build import Builder
-from workers.environments import Environment, environment_key, held, requirement_lines
-from workers.node_run import NodeRun, RunPaths
-from workers.rank_setup import RankSetup
-from workers.reporting import Reporter
-from workers.watch import stopping
+from workers.attempt.node_run import NodeRun, RunPaths
+from workers.attempt.watch import stopping
+from workers.pyenv.build import Builder
+from workers.pyenv.environments import Environment, environment_key, held, requirement_lines
+from workers.reporting.reporter import Reporter
+from workers.sandbox.rank_setup import RankSetup
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ class LogBudget:
         """The rows to store of `rows` (in order, markers included); with `final`, the count of the drops.
 
         `unread`: (lines, bytes) a log file held past the budget and was cut of unread
-        (workers/tail.py), after `rows`: dropped, as any line past the cap.
+        (workers/reporting/tail.py), after `rows`: dropped, as any line past the cap.
         """
         assert self.limit is not None, "start() first"
         kept: list[dict[str, Any]] = []

@@ -3,7 +3,7 @@
 A rank may report without end (every micro-step, a metric per parameter, a loop gone wrong: one
 reported 500,000 points in a second), and every value is a row. Points are kept in order until the
 cap, then dropped: the job runs on (its progress still moves), and its timeline and log say once
-that the cap was reached. Counted like the log (workers/log_budget.py): each node of an attempt may
+that the cap was reached. Counted like the log (workers/reporting/log_budget.py): each node of an attempt may
 add an equal share of what the job had left when it began.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workers.log_budget import node_share
+from workers.reporting.log_budget import node_share
 
 CAP_SETTING = "DPTRAIN_MAX_METRIC_POINTS_PER_JOB"
 

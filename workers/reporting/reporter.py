@@ -1,6 +1,6 @@
 """Ship what the ranks report (events, logs) to SQL in batches, retrying through database outages.
 
-What a rank writes is hostile input: its text is escaped (workers/rank_text.py) and its volume
+What a rank writes is hostile input: its text is escaped (workers/reporting/rank_text.py) and its volume
 budgeted (logs, metric points) before it reaches SQL, and a batch the database refuses for its data
 is written in parts, the refused rows dropped and the refusal noted once on the job's timeline, so
 that no row can wedge a job's reports; an outage keeps the batch until the database is back.
@@ -34,7 +34,8 @@ from service.jobs import lifecycle, repository, stacks_repository
 from service.jobs.stored import describe
 from service.models import Metric
 from service.models.base import utcnow
-from workers.checkpoint_rows import checkpoint_sizes
+from workers.attempt.checkpoint_rows import checkpoint_sizes
+from workers.attempt.watch import SHUTDOWN_GRACE_SECONDS, stopping
 from workers.engine.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -45,11 +46,10 @@ from workers.engine.events import (
     WarningEvent,
     parse_event,
 )
-from workers.log_budget import LogBudget
-from workers.metric_budget import MetricBudget
-from workers.rank_text import escape_strings, escape_text, is_clean
-from workers.tail import TailSet
-from workers.watch import SHUTDOWN_GRACE_SECONDS, stopping
+from workers.reporting.log_budget import LogBudget
+from workers.reporting.metric_budget import MetricBudget
+from workers.reporting.rank_text import escape_strings, escape_text, is_clean
+from workers.reporting.tail import TailSet
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def refused(exc: BaseException) -> bool:
 
 
 def escape_event(event: Event) -> Event:
-    """`event` with every string it carries escaped (workers/rank_text.py); a metric name also cut to fit."""
+    """`event` with every string it carries escaped (reporting/rank_text.py); a metric name cut to fit too."""
     if isinstance(event, MetricsEvent):
         # The hot path: one scan of all the names, and the same event back when they are clean.
         if is_clean("".join(event.values)) and all(len(k) <= METRIC_NAME_CHARS for k in event.values):
@@ -124,7 +124,7 @@ class RunState:
     warnings: list[WarningEvent] = field(default_factory=list)
     cancel_requested: bool = False
     fenced_out: bool = False
-    # The latest request for the ranks' stacks (workers/stack_watch.py), and where the ranks were
+    # The latest request for the ranks' stacks (workers/reporting/stack_watch.py), and where the ranks were
     # when a stall or a collective timeout ended the attempt, for its error message.
     stacks_requested_at: datetime | None = None
     stacks_summary: str | None = None
@@ -134,8 +134,8 @@ class Reporter:
     """Collects new events and log lines each tick and writes them in one transaction.
 
     Nothing is dropped but log lines past DPTRAIN_MAX_LOG_BYTES_PER_JOB (`max_log_bytes`, by
-    default the process's setting; workers/log_budget.py), metric points past
-    DPTRAIN_MAX_METRIC_POINTS_PER_JOB (`max_metric_points`; workers/metric_budget.py), and rows the
+    default the process's setting; workers/reporting/log_budget.py), metric points past
+    DPTRAIN_MAX_METRIC_POINTS_PER_JOB (`max_metric_points`; workers/reporting/metric_budget.py), and rows the
     database refuses to store: a batch stays pending until its transaction commits, so a database
     restart only delays it.
     """
@@ -160,7 +160,8 @@ class Reporter:
         self.run_dir = run_dir
         cap = max_log_bytes if max_log_bytes is not None else get_settings().max_log_bytes_per_job
         # The ranks write these folders: every file is opened beneath run_dir with no link followed
-        # (workers/tail.py), and a log file past the job's whole budget is counted, not read, and emptied.
+        # (workers/reporting/tail.py), and a log file past the job's whole budget is counted, not read,
+        # and emptied.
         self.events = TailSet(run_dir, "events", "rank*.jsonl")
         self.logs = TailSet(run_dir, "logs", "*.log", truncate_past=cap)
         self.state = RunState()

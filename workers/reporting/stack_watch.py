@@ -1,14 +1,14 @@
-"""When a node reads its ranks' stacks (workers/stacks.py), and where the dump goes.
+"""When a node reads its ranks' stacks (workers/reporting/stacks.py), and where the dump goes.
 
 - On request (`GET /v1/jobs/{id}/stacks`): the report loop reads the job's latest request each
-  flush (workers/reporting.py) and answers one it has not answered yet; the dump is stored
+  flush (workers/reporting/reporter.py) and answers one it has not answered yet; the dump is stored
   (rank_stacks) for the API to answer with.
 - When the stall watchdog ends the attempt, before its ranks are signalled; and as soon as a rank
   reports that a collective timed out (Gloo's "Timed out ...", NCCL's watchdog), while torchrun has
   not torn the other ranks down yet (best effort: a rank gone meanwhile is simply not in it). Such
   a dump is stored, written to the job's log under each rank, noted on the attempt's timeline
   entry, and its summary ("rank 1 in all_reduce (train.py:88); rank 0 in ...") ends the error
-  message the attempt records (workers/attempts.record_outcome).
+  message the attempt records (workers/attempt/end.record_outcome).
 
 Each dump is best effort: nothing here may fail or stop a run.
 """
@@ -25,9 +25,9 @@ from api_schemas import StackDump, StackReason
 from rank_contract.files import touch_beneath
 from rank_contract.stacks import collective_timed_out, stacks_taken_file
 from service.jobs import lifecycle, repository, stacks_repository
-from workers import stacks
-from workers.rank_text import escape_strings, escape_text
-from workers.reporting import Reporter, RunState
+from workers.reporting import stacks
+from workers.reporting.rank_text import escape_strings, escape_text
+from workers.reporting.reporter import Reporter, RunState
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class StackWatch:
             self._take("request", requested_at=requested)
 
     def before_stop(self, state: RunState, reason: str) -> None:
-        """The node is about to stop its ranks for `reason` (workers/watch.py): dump them if they stalled."""
+        """The node is about to stop its ranks for `reason` (attempt/watch.py): dump them if they stalled."""
         if reason == "stall":
             self.at_end(state, "stall")
 
@@ -90,7 +90,7 @@ class StackWatch:
         try:
             with self.sessions.begin() as session:
                 row = stacks.row(taken, job_id=self.job_id, requested_at=requested_at)
-                # Function and file names are the ranks' to choose: escaped (workers/rank_text.py).
+                # Function and file names are the ranks' to choose: escaped (workers/reporting/rank_text.py).
                 stacks_repository.add_dump(session, row={**row, "dump": escape_strings(row["dump"])})
                 if automatic:
                     self._log(session, taken)
@@ -104,7 +104,7 @@ class StackWatch:
             {"job_id": self.job_id, "attempt": self.attempt, "rank": rank, "line": escape_text(line)}
             for rank, line in stacks.log_lines(taken)
         ]
-        # The worker's own lines, bounded (workers/stacks.py), outside the job's log budget: the
+        # The worker's own lines, bounded (workers/reporting/stacks.py), outside the job's log budget: the
         # evidence of a hang must not be lost to a chatty script.
         repository.add_log_lines(session, rows=rows)
         note = escape_text(f"stacks at the {taken.reason} ({self.node}): {stacks.summary(taken)}")

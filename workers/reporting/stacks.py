@@ -1,6 +1,6 @@
 """Every thread of every rank of this node's attempt, read with py-spy from outside the sandbox.
 
-The ranks run in the sandbox's PID namespace (workers/sandbox.py); the worker finds them by their
+The ranks run in the sandbox's PID namespace (workers/sandbox/bubblewrap.py); the worker finds them by their
 host pids (procs.rank_processes and their children) and runs `py-spy dump --pid` on each, which
 attaches with ptrace for a moment. That needs ptrace rights over the ranks: a root worker has them
 (CAP_SYS_PTRACE; a container needs it granted, `cap_add: [SYS_PTRACE]`); a worker that is not root
@@ -11,7 +11,7 @@ dump says why instead, and the attempt goes on (or ends) as it would have.
 Which processes: each process of the job that carries a RANK in its environment (a command's
 program, what it started, a CUDA rank), and each fork of the CPU engine's agent (whose RANK is not
 in /proc: the rank names its process instead, rank_contract/stacks.py). Never the launcher
-(torchrun, the agent), the sandbox's bwrap, nor workers.command_rank, which only waits on its program.
+(torchrun, the agent), the sandbox's bwrap, nor workers.command.main, which only waits on its program.
 
 Where a process is (`where`), from its main thread's frames, innermost first:
 1. the innermost frame of the user's code (a file outside the worker's Python installation and
@@ -44,7 +44,7 @@ import psutil
 from api_schemas import ProcessStack, StackDump, StackFrame, StackReason, ThreadStack
 from rank_contract.stacks import rank_of
 from service.models.base import utcnow
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,8 @@ MAX_LOG_LINES = 5000
 # Decorators' frames between the user's call and the API it called (torch.distributed's collectives
 # are wrapped by c10d_logger's `wrapper`; torch.no_grad's by `decorate_context`).
 WRAPPER_NAMES = frozenset({"wrapper", "inner", "wrapped", "_fn", "decorate_context", "wrapper_fn"})
-# The wrapper of a command job's rank: it only waits on the user's program (workers/command_rank.py).
-COMMAND_WRAPPER = "workers.command_rank"
+# The wrapper of a command job's rank: it only waits on the user's program (workers/command/main.py).
+COMMAND_WRAPPER = "workers.command.main"
 # py-spy's answer for a process that runs no Python (a shell, `sleep`): not a rank's stack, skipped.
 NOT_PYTHON = "Failed to find python version"
 PY_SPY_MISSING = "py-spy is not installed on this worker (pip install 'dptrain[worker]')"

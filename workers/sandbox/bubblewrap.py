@@ -15,7 +15,7 @@ One bwrap per node of an attempt wraps torchrun (and so every rank, whatever the
 - its own IPC and UTS namespaces; the network stays (multi-node rendezvous needs it);
 - never root: a root worker starts bwrap as root, which needs no user namespace and can bind the
   worker's private folders, and the sandbox switches to the ranks' user (DPTRAIN_RUN_AS, else the
-  attempt's own uid: workers/rank_uids.py) with setpriv before torchrun starts: no capabilities, no
+  attempt's own uid: workers/sandbox/rank_uids.py) with setpriv before torchrun starts: no capabilities, no
   new privileges. A worker that is not root starts bwrap as itself (bwrap then makes a user
   namespace); its ranks keep its uid.
 
@@ -85,7 +85,7 @@ class Box:
     output_dir: Path | None = None
     # The folder of the job's pinned `init_from` checkpoint (DPTRAIN_INIT_CHECKPOINT), read-only.
     init_dir: Path | None = None
-    # The job's Python environment (workers/env_setup.py), read-only.
+    # The job's Python environment (workers/pyenv/provision.py), read-only.
     env_dir: Path | None = None
 
 
@@ -105,7 +105,7 @@ def _our_packages() -> list[str]:
     tops = importlib.metadata.packages_distributions()
     found = [top for top, dists in tops.items() if DISTRIBUTION in dists]
     # Not installed (a checkout on PYTHONPATH): the packages beside this one.
-    return found or [p.name for p in Path(__file__).parents[1].iterdir() if (p / "__init__.py").is_file()]
+    return found or [p.name for p in Path(__file__).parents[2].iterdir() if (p / "__init__.py").is_file()]
 
 
 def _outermost(paths: Iterable[Path]) -> list[Path]:

@@ -10,7 +10,7 @@ import subprocess
 
 import psutil
 
-from workers import sandbox
+from workers.sandbox import bubblewrap
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals, *, sandboxed: bool = False) -> None:
     """Send `sig` to torchrun's process group (in a sandbox the group inside it: bwrap would die of it)."""
     if sandboxed:
-        sandbox.signal_sandbox(proc, sig)
+        bubblewrap.signal_sandbox(proc, sig)
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
@@ -35,7 +35,7 @@ def stop_group(proc: subprocess.Popen[bytes], *, grace: float, sandboxed: bool =
 def kill_group(proc: subprocess.Popen[bytes], *, sandboxed: bool = False) -> None:
     """SIGKILL torchrun's process group (a sandbox: everything in it) and reap torchrun (bwrap)."""
     if sandboxed:
-        sandbox.kill_sandbox(proc)
+        bubblewrap.kill_sandbox(proc)
         return
     signal_group(proc, signal.SIGKILL)
     try:
@@ -65,7 +65,7 @@ def sweep_ranks(job_id: str, *, node: str | None = None) -> int:
     workers.engine.agent calls setsid), so killing torchrun's group does not reach a rank whose
     torchrun died first; the job id on every rank's command line does (a rank forked by
     workers.engine.agent shows the agent's, which carries it too). A command job's rank is
-    workers.command_rank, whose child, the user's program, carries no job id but runs in the
+    workers.command.main, whose child, the user's program, carries no job id but runs in the
     rank's process group: the group finds it. Several nodes of one job may share a host, so a node
     sweeps only what carries its own `--node`.
     """

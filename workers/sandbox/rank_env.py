@@ -41,9 +41,10 @@ PASSED_THROUGH = (
 )
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 # dptrain's start-up hook, first on every rank's PYTHONPATH (a folder holding only sitecustomize.py):
-# a command's Python program records the exception that ends it (workers/rank_hook/sitecustomize.py).
-# It lies in the workers package's folder, which the sandbox shows read-only (sandbox.python_paths).
-RANK_HOOK_DIR = Path(__file__).resolve().with_name("rank_hook")
+# a command's Python program records the exception that ends it (workers/command/rank_hook/sitecustomize.py,
+# rank side). It lies in the workers package's folder, which the sandbox shows read-only
+# (bubblewrap.python_paths).
+RANK_HOOK_DIR = Path(__file__).resolve().parents[1] / "command" / "rank_hook"
 
 
 def _passed(name: str) -> bool:

@@ -17,13 +17,13 @@ from api_schemas import JobError, JobSpec
 from rank_contract.env import sdk_env
 from service.code.storage import archive_path
 from service.config import Settings
-from workers import rank_uids, sandbox
-from workers.code_cache import CodeArchiveError, unpack_cached
-from workers.engine.launch import supervisor_id
-from workers.init_checkpoint import InitCheckpoint, unshare
-from workers.init_checkpoint import verify as verify_init
-from workers.rank_env import rank_environment
-from workers.scratch import make_scratch, short_tmp
+from workers.attempt.init_checkpoint import InitCheckpoint, unshare
+from workers.attempt.init_checkpoint import verify as verify_init
+from workers.engine.process import supervisor_id
+from workers.sandbox import bubblewrap, rank_uids
+from workers.sandbox.code_cache import CodeArchiveError, unpack_cached
+from workers.sandbox.rank_env import rank_environment
+from workers.sandbox.scratch import make_scratch, short_tmp
 
 
 class SetupFailed(Exception):
@@ -41,7 +41,7 @@ class RunAs:
     name: str
     uid: int
     gid: int
-    # The attempt's own uid's lease (workers/rank_uids.py); None for DPTRAIN_RUN_AS's user.
+    # The attempt's own uid's lease (workers/sandbox/rank_uids.py); None for DPTRAIN_RUN_AS's user.
     lease: rank_uids.Lease | None = None
 
     @classmethod
@@ -84,7 +84,7 @@ def ranks_user(
         # Every node's ranks read the job's one checkpoint folder (shared storage, or one host in
         # small setups), which each node hands to its ranks' user: that user must be the same on
         # every node, and a lease is one host's.
-        uid, gid = sandbox.nobody()
+        uid, gid = bubblewrap.nobody()
         return RunAs(name="nobody", uid=uid, gid=gid)
     try:
         lease = hold.enter_context(rank_uids.leased(settings.rank_uids))
@@ -101,10 +101,10 @@ class RankSetup:
     env: dict[str, str]
     run_as: RunAs | None
     # The sandbox the ranks run in; None: they run unsandboxed, for the reason in `unsandboxed`.
-    box: sandbox.Box | None = None
+    box: bubblewrap.Box | None = None
     unsandboxed: str | None = None
     # The job's unpacked code tree, and the interpreter that starts torchrun (None: the worker's;
-    # a job's environment's otherwise, workers/env_setup.py).
+    # a job's environment's otherwise, workers/pyenv/provision.py).
     code_dir: Path | None = None
     python: Path | None = None
 
@@ -184,7 +184,7 @@ def prepare(
         init_checkpoint=init.path if init is not None else None,
     )
     # TMPDIR is short whatever the home's length: AF_UNIX paths (multiprocessing's) fit in 108 bytes.
-    tmp = Path(sandbox.SANDBOX_TMP) if why is None else short_tmp(run_dir)
+    tmp = Path(bubblewrap.SANDBOX_TMP) if why is None else short_tmp(run_dir)
     env = rank_environment(
         worker_env=os.environ,
         dptrain=ours,
@@ -197,7 +197,7 @@ def prepare(
     )
     box = None
     if why is None:
-        box = sandbox.Box(
+        box = bubblewrap.Box(
             run_dir=run_dir,
             checkpoint_dir=checkpoint_dir,
             output_dir=output_dir,

@@ -1,9 +1,9 @@
 """An attempt's scratch: the ranks' working directory, /tmp and HOME, made at its start, removed at its end.
 
 They live in the node's run directory, beside what stays (spec.json, logs/, events/): the ranks
-reach them through its mount (workers/sandbox.py), and the hand-over (workers/rank_setup.py) gives
-them to the ranks' user with the rest. Only what the ranks write on purpose outlives the attempt: checkpoints,
-logs and events.
+reach them through its mount (workers/sandbox/bubblewrap.py), and the hand-over
+(workers/sandbox/rank_setup.py) gives them to the ranks' user with the rest. Only what the ranks
+write on purpose outlives the attempt: checkpoints, logs and events.
 """
 
 from __future__ import annotations

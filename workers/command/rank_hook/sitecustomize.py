@@ -1,8 +1,8 @@
 """dptrain's start-up hook in a command job's program: record the exception that ends it, as JSON.
 
-workers/rank_env.py puts this folder, and nothing else, first on every rank's PYTHONPATH, so each
+workers/sandbox/rank_env.py puts this folder, and nothing else, first on every rank's PYTHONPATH, so each
 Python interpreter of a rank imports this module as it starts (site.py's `sitecustomize`). It acts
-only where the command wrapper (workers/command_rank.py) named a file in DPTRAIN_EXCEPTION_FILE:
+only where the command wrapper (workers/command/main.py) named a file in DPTRAIN_EXCEPTION_FILE:
 the first interpreter that sees the name takes it out of the environment, so the program's own
 Python subprocesses (a helper script it runs and whose failure it handles) never write there; a
 `sh -c "python train.py"` leaves it to the Python program. Forked children keep the hook but not
@@ -12,7 +12,7 @@ The hook is the program's sys.excepthook, chaining the one before it: torch's (i
 init_process_group, which prefixes every line of the traceback with `[rankN]: `) and any the
 program sets later that chains ours keep working. A program that replaces sys.excepthook without
 chaining, or an interpreter started with -I, -E or -S, skips it: the wrapper then reads torchrun's
-error file or the log instead (workers/rank_failure.py). threading.excepthook is left alone: an
+error file or the log instead (workers/command/failure.py). threading.excepthook is left alone: an
 exception in a thread does not end the program, and naming it would mistype a later exit or signal.
 
 Only the standard library, most of it imported when needed: this runs in every interpreter of every
