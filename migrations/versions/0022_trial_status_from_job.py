@@ -5,7 +5,7 @@ pruner decided while the job ended). The status is now its job's; a trial whose 
 whose objective the old driver never recorded gets it from the job's metric, while it is still kept.
 
 Revision ID: 0022
-Revises: 0020
+Revises: 0021
 Create Date: 2026-11-28 13:00:00.000000
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0022"
-down_revision = "0020"
+down_revision = "0021"
 branch_labels = None
 depends_on = None
 

@@ -20,12 +20,12 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A database at 0020: PostgreSQL's module database taken back, or a fresh SQLite file."""
     if request.param == "postgresql":
         db: str = request.getfixturevalue("own_database")
-        command.downgrade(alembic_config(db), "0020")
+        command.downgrade(alembic_config(db), "0021")
         yield db
         upgrade(db)
         return
     db = f"sqlite:///{tmp_path / 'sweeps.db'}"
-    upgrade(db, "0020")
+    upgrade(db, "0021")
     yield db
 
 
@@ -100,7 +100,7 @@ def test_the_trial_state_goes_and_a_lost_objective_comes_back(url: str) -> None:
         objectives = dict(conn.execute(sa.select(trials.c.job_id, trials.c.objective)).all())
     # The trial the old driver marked pruned while its job succeeded gets its result back.
     assert objectives == {"done": 0.5, "raced": 0.25, "live": None}, objectives
-    command.downgrade(alembic_config(url), "0020")
+    command.downgrade(alembic_config(url), "0021")
     with engine.begin() as conn:
         states = dict(conn.execute(sa.select(trials.c.job_id, trials.c.state)).all())
     engine.dispose()
