@@ -62,6 +62,31 @@ def test_engine_is_pure_torch_distributed() -> None:
     assert bad == {}, f"the engine must not import {forbidden}: {bad}"
 
 
+NODE_SIDE = ("workers.node", "workers.attempt", "workers.sandbox", "workers.pyenv", "workers.reporting")
+
+
+def test_the_rank_side_imports_nothing_of_the_node_side() -> None:
+    # workers/engine and workers/command run inside a rank, in the sandbox: the node starts them by
+    # module path (torchrun's -m, --run-path), so nothing there may need the node's code, the
+    # service, its database or its broker, even in a function (a lazy import still runs in a rank).
+    def node_side(module: str) -> bool:
+        if _top(module) in {"service", "celery", "kombu", "sqlalchemy", "fastapi", "migrations"}:
+            return True
+        return any(module == side or module.startswith(side + ".") for side in NODE_SIDE)
+
+    bad = {
+        str(path.relative_to(ROOT)): sorted(m for m, _ in _scoped_imports(path) if node_side(m))
+        for side in ("engine", "command")
+        for path in (ROOT / "workers" / side).rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, f"rank-side code imports the node side: {bad}"
+    # Every file of workers/ is in a package of one side or the other: a new one must choose.
+    packages = {p.name for p in (ROOT / "workers").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == {"engine", "command"} | {s.split(".")[1] for s in NODE_SIDE}, packages
+    loose = sorted(p.name for p in (ROOT / "workers").glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"modules directly under workers/, on neither side: {loose}"
+
+
 def test_the_sdk_reaches_no_service_code() -> None:
     # User scripts import `dptrain` in the ranks: it must not pull in the service, its database or
     # broker clients (nor need them installed). What it shares with the worker lives in rank_contract.
@@ -128,7 +153,8 @@ def test_the_worker_process_never_imports_torch() -> None:
     # The Celery worker only supervises torchrun: the events and checkpoint names it shares with the
     # ranks live in torch-free modules (workers/engine/events.py, checkpoint.py's lazy import).
     code = (
-        "import sys, workers.celery_app, workers.tasks, workers.reconciler, workers.heartbeat; "
+        "import sys, workers.node.celery_app, workers.node.tasks, workers.node.reconciler, "
+        "workers.node.heartbeat; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -248,7 +274,7 @@ def _imported_modules(path: Path, module: str, files: dict[str, Path]) -> set[st
 
 def test_no_import_cycles_between_our_files() -> None:
     # Every import counts, a type-only one too: a cycle couples its files whichever way it is written,
-    # and the fix is a module below both (workers/node_run.py, api_schemas/base.py).
+    # and the fix is a module below both (workers/attempt/node_run.py, api_schemas/base.py).
     files = _module_files(_our_top_level_packages())
     graph = {module: _imported_modules(path, module, files) for module, path in files.items()}
     reach: dict[str, set[str]] = {}

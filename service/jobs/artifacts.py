@@ -15,7 +15,7 @@ from service.models import JobArtifact, User
 
 
 def output_dir(artifact_root: Path, job_id: str) -> Path:
-    """The job's DPTRAIN_OUTPUT_DIR on the artifact root (workers.node_run.RunPaths.output_dir)."""
+    """The job's DPTRAIN_OUTPUT_DIR on the artifact root (workers.attempt.node_run.RunPaths.output_dir)."""
     return artifact_root / "jobs" / job_id / "outputs"
 
 

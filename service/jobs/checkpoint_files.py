@@ -17,7 +17,7 @@ from service.files import open_beneath
 
 
 def checkpoint_dir(artifact_root: Path, job_id: str) -> Path:
-    """The job's checkpoint folder on the artifact root (workers.node_run.RunPaths.checkpoint_dir)."""
+    """The job's checkpoint folder on the artifact root (workers.attempt.node_run.RunPaths.checkpoint_dir)."""
     return artifact_root / "jobs" / job_id / CHECKPOINTS_FOLDER
 
 

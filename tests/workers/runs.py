@@ -26,7 +26,7 @@ from service.models import Job, JobTransition
 from service.models.base import utcnow
 from service.scheduling import repository
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from workers.runner import run_node
+from workers.attempt.runner import run_node
 
 
 def node_settings(database_url: str, home: Path) -> Settings:

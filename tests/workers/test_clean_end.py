@@ -19,7 +19,7 @@ from api_schemas import JobError, JobStatus
 from rank_contract.env import RUN_DIR_ENV, finished_file
 from service.config import Settings
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
-from workers.clean_end import after_finish
+from workers.command.clean_end import after_finish
 from workers.engine.events import ErrorEvent, WarningEvent, events_path, parse_event
 
 pytestmark = pytest.mark.e2e
@@ -82,7 +82,7 @@ def test_the_rank_wrapper_succeeds_for_an_abort_after_finish_only(tmp_path: Path
     code = f"import os, dptrain\nif {finish}: dptrain.finish()\nos.abort()"
     argv = ["--job-id", "job-x", "--run-dir", str(tmp_path), "--", "python", "-c", code]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "1", RUN_DIR_ENV: str(tmp_path)}
-    rc = subprocess.run([sys.executable, "-m", "workers.command_rank", *argv], cwd=ROOT, env=env, timeout=60)
+    rc = subprocess.run([sys.executable, "-m", "workers.command.main", *argv], cwd=ROOT, env=env, timeout=60)
     [event] = _events(tmp_path, 1)
     log = (tmp_path / "logs" / "rank1.log").read_text()
     if finish:

@@ -33,7 +33,7 @@ from tests.workers.runs import (
     submit_as_admin,
     wait_step,
 )
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -106,7 +106,7 @@ def test_a_sigkilled_rank_restarts_and_resumes_from_its_sdk_checkpoint(
     thread, out = run_in_thread(settings, job_id)
     wait_step(sessions, job_id, 5)
     # The user's program of rank 1: a child of the rank wrapper whose RANK is 1.
-    wrappers = [p for p in rank_processes(job_id) if "workers.command_rank" in " ".join(p.cmdline())]
+    wrappers = [p for p in rank_processes(job_id) if "workers.command.main" in " ".join(p.cmdline())]
     rank1 = next(p for p in wrappers if p.environ().get("RANK") == "1")
     for child in rank1.children():
         child.send_signal(signal.SIGKILL)

@@ -12,7 +12,7 @@ from api_schemas import JobStatus
 from service.config import Settings
 from service.models import LogLine
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin
-from workers.log_budget import line_bytes
+from workers.reporting.log_budget import line_bytes
 
 pytestmark = pytest.mark.e2e
 

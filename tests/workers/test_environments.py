@@ -21,7 +21,7 @@ from service.models import LogLine
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.env_index import ALPHA, BETA, BLOAT, MISSING, PackageIndex
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
-from workers import environments
+from workers.pyenv import environments
 
 pytestmark = pytest.mark.e2e
 

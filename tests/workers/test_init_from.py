@@ -22,9 +22,9 @@ from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin
+from workers.attempt.node_run import RunPaths
 from workers.engine.checkpoint import checkpoint_name
 from workers.engine.events import StartedEvent, events_path, parse_event
-from workers.node_run import RunPaths
 
 pytestmark = pytest.mark.e2e
 

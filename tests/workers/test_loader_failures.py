@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from service.config import Settings
 from tests.workers.runs import job_row, node_fixtures, run_in_thread, store_code, submit_as_admin
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,8 @@ from api_schemas import JobStatus
 from service.models import Job, JobTransition, LogLine, Metric
 from tests.conftest import job_spec
 from workers.engine.events import events_path
-from workers.metric_budget import CAP_SETTING, MetricBudget
-from workers.reporting import Reporter
+from workers.reporting.metric_budget import CAP_SETTING, MetricBudget
+from workers.reporting.reporter import Reporter
 
 SPEC = job_spec(name="flood", hyperparameters={"global_batch_size": 4, "steps": 3})
 TOKEN = "t" * 32

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from api_schemas import JobSpec
+from workers.attempt.node_run import RunPaths
 from workers.engine.config import configure
-from workers.node_run import RunPaths
 
 SHA = "a" * 64
 SPECS: dict[str, dict[str, Any]] = {

@@ -14,8 +14,8 @@ from service.config import Settings
 from service.models import Checkpoint, Job, JobNode, JobTransition, LogLine, Metric, Worker
 from service.models.base import utcnow
 from tests.conftest import job_spec
-from workers.reconciler import purge_expired, recover_lost
-from workers.reporting import Reporter
+from workers.node.reconciler import purge_expired, recover_lost
+from workers.reporting.reporter import Reporter
 
 SPEC = job_spec(name="r", hyperparameters={"global_batch_size": 4, "steps": 1})
 

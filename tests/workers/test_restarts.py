@@ -21,10 +21,10 @@ from service.models import Checkpoint, Job
 from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
+from workers.attempt.node_run import RunPaths
 from workers.engine.checkpoint import checkpoint_name, read_best_step
 from workers.engine.events import StartedEvent, events_path, parse_event
-from workers.node_run import RunPaths
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 STEPS = 24
 # Evaluating every 4 steps, keeping the best checkpoint: the mark must survive the kill.

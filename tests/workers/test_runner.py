@@ -28,10 +28,10 @@ from tests.workers.runs import (
     submit_as_admin,
     wait_step,
 )
-from workers import runner
+from workers.attempt import runner
+from workers.attempt.runner import run_node
 from workers.engine.checkpoint import checkpoint_files
-from workers.procs import rank_processes
-from workers.runner import run_node
+from workers.sandbox.procs import rank_processes
 
 settings, sessions = node_fixtures()
 
@@ -195,7 +195,7 @@ def test_an_engine_job_that_makes_no_progress_ends_after_its_stall_timeout(
     assert not thread.is_alive() and out == [JobStatus.FAILED], out
     error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error.type == "Stalled" and "no progress for 10 s" in error.message, error
-    # Where each rank hung, read from outside the sandbox (workers/stacks.py): a forked engine rank
+    # Where each rank hung, read from outside the sandbox (workers/reporting/stacks.py): a forked engine rank
     # is named by its process name, and the hang is dptrain's own fault injection.
     assert "; rank 0 in " in error.message and "; rank 1 in Fault.maybe_fire (faults.py:" in error.message, (
         error
@@ -210,7 +210,7 @@ def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     from sqlalchemy import func, select
 
     from service.models import JobNode
-    from workers import runner
+    from workers.attempt import runner
 
     kicks: list[int] = []
     monkeypatch.setattr(runner, "on_release", [lambda: kicks.append(1)])

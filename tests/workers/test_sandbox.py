@@ -22,7 +22,7 @@ from service.models import LogLine
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
-from workers import sandbox
+from workers.sandbox import bubblewrap
 
 pytestmark = pytest.mark.e2e
 
@@ -52,8 +52,10 @@ def _orphans() -> list[psutil.Process]:
 
 
 def test_the_probe_finds_bubblewrap_here() -> None:
-    uid_gid = sandbox.nobody() if os.getuid() == 0 else (None, None)
-    assert sandbox.probe(*uid_gid) is None, "these tests need bwrap (apt install bubblewrap) and namespaces"
+    uid_gid = bubblewrap.nobody() if os.getuid() == 0 else (None, None)
+    assert bubblewrap.probe(*uid_gid) is None, (
+        "these tests need bwrap (apt install bubblewrap) and namespaces"
+    )
 
 
 def test_processes_a_job_starts_are_gone_within_seconds_of_its_end(

@@ -28,7 +28,7 @@ from tests.workers.runs import (
     submit_as_admin,
     timeline,
 )
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 
