@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.failures import Failure
 from rank_contract.files import create_beneath
 from service.config import Settings
 from service.db import session_factory
@@ -113,7 +114,7 @@ def _run_node(
         return _supervise(sessions=sessions, settings=settings, run=run, paths=paths)
     except Exception as exc:
         log.exception("job %s: the launcher itself failed", job_id)
-        error = JobError(type="LauncherError", message=f"{type(exc).__name__}: {exc}")
+        error = JobError(type=Failure.LAUNCHER_ERROR, message=f"{type(exc).__name__}: {exc}")
         return end_abnormally(sessions, att=run.att, error=error)
     finally:
         # This node's ranks are gone: its slots are free for placement even if the others still run.
@@ -142,7 +143,7 @@ def _supervise(
     paths.output_dir.mkdir(parents=True, exist_ok=True)
     if missing := missing_checkpoints(sessions, job_id=job_id, directory=paths.checkpoint_dir):
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
-        error = JobError(type="CheckpointMissing", message=missing)
+        error = JobError(type=Failure.CHECKPOINT_MISSING, message=missing)
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir, attempt=max(1, att.number - 1))
