@@ -16,11 +16,11 @@ from rank_contract.failures import Failure
 from rank_contract.files import read_file
 from service.jobs import lifecycle
 from workers.attempt.node_run import Attempt, NodeRun, RunPaths
+from workers.attempt.watch import StopReason, Watch
 from workers.engine.events import TRACEBACK_TAIL_LINES
 from workers.reporting.rank_text import escape_strings, escape_text
 
 if TYPE_CHECKING:
-    from workers.attempt.watch import Watch
     from workers.reporting.reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,15 @@ def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
     return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
 
 
+def end_cancelled(sessions: sessionmaker[Session], *, att: Attempt, finished: bool) -> JobStatus:
+    """End an attempt whose job was asked to stop: cancelled or pruned, succeeded if it `finished` first."""
+    with sessions() as session:
+        pruned = lifecycle.prune_requested(session, job_id=att.job_id)
+    dst, reason = lifecycle.end_of_cancelled_run(finished=finished, pruned=pruned)
+    finish(sessions, job_id=att.job_id, token=att.token, dst=dst, reason=reason)
+    return dst
+
+
 def record_outcome(
     sessions: sessionmaker[Session],
     *,
@@ -211,32 +220,28 @@ def record_outcome(
     """Record how a node's run ended, from how it was stopped, its exit code and what rank 0 reported."""
     att, stopped_for = run.att, watch.stopped_for
     job_id, token = att.job_id, att.token
-    if stopped_for == "fenced":
+    if stopped_for is StopReason.FENCED:
         return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
     # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
     # says it finished, so a rank that exits 0 early is not mistaken for success.
     done = reporter.state.finished or (run.spec.command is not None and run.is_primary)
-    if stopped_for == "cancel" or reporter.state.cancel_requested:
+    if stopped_for is StopReason.CANCEL or reporter.state.cancel_requested:
         if not run.is_primary:
             return JobStatus.RUNNING  # node 0 sees the flag too, and alone knows if the work finished
         # The engine finished before the stop (which may then have signalled ranks on their way out),
         # or the ranks exited 0 on their own: the work was done first.
         finished = reporter.state.finished or (stopped_for is None and rc == 0 and done)
-        with sessions() as session:
-            pruned = lifecycle.prune_requested(session, job_id=job_id)
-        dst, reason = lifecycle.end_of_cancelled_run(finished=finished, pruned=pruned)
-        finish(sessions, job_id=job_id, token=token, dst=dst, reason=reason)
-        return dst
-    if stopped_for == "deadline" and reporter.state.finished:
+        return end_cancelled(sessions, att=att, finished=finished)
+    if stopped_for is StopReason.DEADLINE and reporter.state.finished:
         # As with a cancel: the work finished (every step, the final checkpoint) before the stop.
         reason = "finished before the deadline took effect"
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED, reason=reason)
         return JobStatus.SUCCEEDED
-    if stopped_for == "deadline":
+    if stopped_for is StopReason.DEADLINE:
         error = JobError(type=Failure.DEADLINE_EXCEEDED, message=f"deadline exceeded ({max_runtime} s)")
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
         return JobStatus.FAILED
-    if stopped_for == "stall":
+    if stopped_for is StopReason.STALL:
         message = f"no progress for {watch.stall_seconds:g} s: no rank reported a step or wrote a log line"
         if reporter.state.stacks_summary:
             message = f"{message}; {reporter.state.stacks_summary}"
@@ -247,7 +252,7 @@ def record_outcome(
     if rc == 0 and run.nnodes > 1:
         # Rank 0, whose node records the success, may run on another node: nothing to record here.
         return JobStatus.RUNNING
-    if stopped_for == "shutdown":
+    if stopped_for is StopReason.SHUTDOWN:
         message = "its worker was stopped; the job resumes from its last checkpoint"
         return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
     error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
