@@ -104,31 +104,68 @@ def test_the_sdk_reaches_no_service_code() -> None:
     assert bad == {}, f"the SDK must not import {forbidden}: {bad}"
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """The packages a module imports outside any function, so on its own import."""
+# The ways code names a module for importing it by its name: importlib's and the builtin's.
+_IMPORTERS = frozenset({"import_module", "__import__", "find_spec", "module_from_spec", "import_string"})
+
+
+def _module_strings(path: Path) -> set[str]:
+    """Every module `path` imports: statements (in functions too) and constant names given to an importer.
+
+    A name held in a module-level constant (`PACKAGE = "x"; find_spec(PACKAGE)`) counts as well.
+    """
+    tree = ast.parse(path.read_text())
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     found: set[str] = set()
-    todo: list[ast.AST] = [ast.parse(path.read_text())]
-    while todo:
-        node = todo.pop()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            todo.extend(ast.iter_child_nodes(node))
+            found.add(node.module)
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            arg = node.args[0]
+            if name in _IMPORTERS and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.add(arg.value)
+            elif name in _IMPORTERS and isinstance(arg, ast.Name) and arg.id in constants:
+                found.add(constants[arg.id])
     return found
 
 
-def test_the_cli_reaches_the_server_only_through_dptrain_server_on_demand() -> None:
-    # `pip install dptrain` is the client: its CLI package never imports the service or the worker,
-    # even inside a function; the server's commands live in dptrain_server, which the CLI loads
-    # only when one of them is asked for (dptrain_cli/lazy.py).
-    server = {"service", "workers"}
-    anywhere = {f: m & server for f, m in _imports(ROOT / "dptrain_cli").items() if m & server}
-    assert anywhere == {}, f"dptrain_cli must not import {server}: {anywhere}"
-    eager = [str(p.relative_to(ROOT)) for p in (ROOT / "dptrain_cli").rglob("*.py")]
-    eager = [f for f in eager if "dptrain_server" in _top_level_imports(ROOT / f)]
-    assert eager == [], f"dptrain_cli must import dptrain_server inside functions only: {eager}"
+def test_the_cli_imports_nothing_of_the_server_not_even_lazily() -> None:
+    # `pip install dptrain` is the client: its CLI package never imports the service, the worker or
+    # the server's commands, even inside a function or by a module's name in a string. It finds the
+    # server's commands by their entry points (dptrain_cli/lazy.py), which dptrain_server registers:
+    # every arrow between the two points from the server down to the client.
+    server = {"service", "workers", "dptrain_server", "migrations"}
+    bad = {
+        str(path.relative_to(ROOT)): sorted(m for m in _module_strings(path) if _top(m) in server)
+        for path in (ROOT / "dptrain_cli").rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, f"dptrain_cli must not import {sorted(server)}"
+
+
+def test_the_server_commands_are_registered_where_the_cli_finds_them() -> None:
+    # The entry points of pyproject.toml name real commands of dptrain_server, and the ones the
+    # CLI discovers on this install are those (a stale editable install would list others).
+    from importlib.metadata import entry_points
+
+    from dptrain_cli.lazy import GROUP
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][GROUP]
+    assert all(v.startswith("dptrain_server.") for v in declared.values()), declared
+    installed = {ep.name: ep.value for ep in entry_points(group=GROUP)}
+    assert installed == declared, f"reinstall (make setup): installed {installed}, declared {declared}"
+    for name in declared:
+        assert callable(entry_points(group=GROUP)[name].load()), name
 
 
 def test_api_schemas_import_only_pydantic() -> None:
