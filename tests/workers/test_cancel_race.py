@@ -42,7 +42,7 @@ def _end_after_stop(
     `stop`: a cancel (requested through the service), or the job's deadline.
     """
     spec = job_spec(name="race", hyperparameters={"global_batch_size": 8, "steps": STEPS, "hidden_size": 8})
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     attempt = place_here(settings, job_id=job_id)
     paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
     events = EventWriter(paths.run_dir / "events" / "rank0.jsonl", rank=0)
