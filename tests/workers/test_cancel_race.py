@@ -130,7 +130,7 @@ class TestCancelRace:
     ) -> None:
         # No rank ever started: the one cancel path (end.end_cancelled) records it as not finished,
         # from whichever node was preparing (none of them has ranks that could have finished first).
-        job_id = submit_as_admin(sessions, job_spec(name="prep"))
+        job_id = submit_as_admin(sessions, job_spec(name="prep"), settings=settings)
         attempt = place_here(settings, job_id=job_id)
         with sessions.begin() as s:
             service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
