@@ -274,6 +274,45 @@ def test_the_ranks_environment_names_import_without_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_failure_types_are_named_only_where_they_are_declared() -> None:
+    # The retry rule judges a failure by its type's name (workers/attempt/end.py), and each of our
+    # types declares whether it is retried in rank_contract/failures.py. A name written out anywhere
+    # else survives a rename there and silently becomes another type, retried by default; a literal
+    # given to JobError or ErrorEvent is a type the registry does not know at all.
+    from rank_contract.failures import Failure
+
+    registry = ROOT / "rank_contract" / "failures.py"
+    names = {failure.value for failure in Failure}
+    found: list[str] = []
+    for top in ("workers", "service", "rank_contract", "api_schemas"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path == registry:
+                continue
+            tree = ast.parse(path.read_text())
+            # `__all__` names an exception class of that name, not its wire type.
+            exported = {
+                id(c)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                for c in ast.walk(node.value)
+            }
+            for node in ast.walk(tree):
+                where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.Call):
+                    called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                    found += [
+                        f"{where}: {called}({kw.arg}={kw.value.value!r})"
+                        for kw in node.keywords
+                        if called in ("JobError", "ErrorEvent")
+                        and kw.arg in ("type", "error_type")
+                        and isinstance(kw.value, ast.Constant)
+                    ]
+                elif isinstance(node, ast.Constant) and node.value in names and id(node) not in exported:
+                    found.append(f"{where}: {node.value!r}")
+    assert found == [], f"failure types named outside rank_contract/failures.py (use Failure): {found}"
+
+
 def _our_top_level_packages() -> list[str]:
     """The top-level packages pyproject's packages.find ships: every one of ours, new ones included."""
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
