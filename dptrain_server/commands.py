@@ -1,8 +1,9 @@
-"""Server-side commands: api, worker, webhook-worker, migrate, the embedded `up`, and the `users` group.
+"""Server-side commands: api, worker, webhook-worker, migrate and the embedded `up` (`users` is users.py).
 
-Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch) itself: `dptrain
---help` lists these commands from this module, and on a client-only install it must still work, and
-a command run there must name the extra to install (dptrain_cli/extras.py).
+Each is an entry point of the group `dptrain.server_commands` (pyproject.toml), by which the `dptrain`
+program finds it. Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch)
+itself: `dptrain --help` lists these commands from this module, and on a client-only install it
+must still work, and a command run there must name the extra to install (dptrain_cli/extras.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from rich.console import Console
 
 from dptrain.settings import DEFAULT_HOME, HOME_ENV, TOKEN_FILE
 from dptrain_cli.extras import installed, require
-from dptrain_server import users
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -226,12 +226,3 @@ def _redact(url: str) -> str:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
-
-
-app = typer.Typer(help="Run the service: its API, a worker node, its database, or all of it at once.")
-app.command()(api)
-app.command()(worker)
-app.command()(migrate)
-app.command()(up)
-app.command("webhook-worker")(webhook_worker)
-app.add_typer(users.app, name="users")

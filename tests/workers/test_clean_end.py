@@ -94,20 +94,20 @@ def test_the_rank_wrapper_succeeds_for_an_abort_after_finish_only(tmp_path: Path
         assert isinstance(event, ErrorEvent) and "SIGABRT" in event.message
 
 
-def _submit(sessions: sessionmaker[Session], *args: str) -> str:
+def _submit(sessions: sessionmaker[Session], settings: Settings, *args: str) -> str:
     spec = {
         "name": "clean-end",
         "command": ["python", "-c", SCRIPT, *args],
         "resources": {"processes_per_node": 2},
         "max_restarts": 0,
     }
-    return submit_as_admin(sessions, spec)
+    return submit_as_admin(sessions, spec, settings=settings)
 
 
 def test_a_job_whose_rank_aborts_after_finish_succeeds_with_a_warning(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
-    job_id = _submit(sessions, "--finish")
+    job_id = _submit(sessions, settings, "--finish")
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED, job_row(
         sessions, job_id
     ).error
@@ -118,7 +118,7 @@ def test_a_job_whose_rank_aborts_after_finish_succeeds_with_a_warning(
 def test_the_same_abort_without_finish_fails_the_job(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error.rank == 1 and "SIGABRT" in error.message, error

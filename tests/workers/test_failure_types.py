@@ -69,7 +69,7 @@ def _run(
         "resources": {"processes_per_node": 2},
         "max_restarts": 1,
     }
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     return run_attempt(job_id=job_id, settings=settings), job_id
 
 

@@ -64,7 +64,7 @@ def _steps(sessions: sessionmaker[Session], job_id: str) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(settings: Settings, sessions: sessionmaker[Session]) -> str:
     """The uninterrupted 40-step job."""
-    job_id = submit_as_admin(sessions, SPEC)
+    job_id = submit_as_admin(sessions, SPEC, settings=settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     assert _steps(sessions, job_id) == [20, 40]
     return job_id
@@ -76,7 +76,7 @@ def test_a_job_continued_from_step_20_of_a_cancelled_one_ends_bitwise_equal_to_t
     # The same 40-step spec, its steps slowed (the math is unchanged) so that the cancel lands after
     # its step-20 checkpoint and well before step 40.
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "sleep:ms=150")
-    source = submit_as_admin(sessions, SPEC)
+    source = submit_as_admin(sessions, SPEC, settings=settings)
     thread, out = run_in_thread(settings, source)
     deadline = time.monotonic() + 90
     while 20 not in _steps(sessions, source):

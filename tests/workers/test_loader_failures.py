@@ -43,6 +43,7 @@ def test_a_loader_that_raises_fails_the_job_within_60_s_with_its_type(
             "resources": {"processes_per_node": 2},
             "data": {"num_workers": 2},
         },
+        settings=settings,
     )
     start = time.monotonic()
     thread, out = run_in_thread(settings, job_id)

@@ -64,7 +64,10 @@ def test_two_jobs_running_at_once_have_uids_of_their_own(
         "print('FACTS', json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'from': t, 'to': time.time()}))"
     )
     spec = {"name": "uid", "command": ["python", "-c", code], "hyperparameters": {"steps": 1}}
-    jobs = [submit_as_admin(sessions, spec), submit_as_admin(sessions, spec)]
+    jobs = [
+        submit_as_admin(sessions, spec, settings=settings),
+        submit_as_admin(sessions, spec, settings=settings),
+    ]
     runs = [run_in_thread(settings, job_id) for job_id in jobs]
     for thread, _ in runs:
         thread.join(timeout=180)

@@ -20,20 +20,26 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.failures import Failure
 from service.config import Settings
 from service.db import session_factory
-from service.jobs import lifecycle
 from service.scheduling import repository as placement
 from workers.attempt import init_checkpoint
 from workers.attempt.acceptance import Unrunnable, accept
 from workers.attempt.checkpoint_cap import CheckpointGuard
 from workers.attempt.checkpoint_rows import missing_checkpoints, sync_checkpoints
-from workers.attempt.end import WORKER_STOPPED, end_abnormally, finish, note_unsandboxed, record_outcome
+from workers.attempt.end import (
+    WORKER_STOPPED,
+    end_abnormally,
+    end_cancelled,
+    note_unsandboxed,
+    record_outcome,
+)
 from workers.attempt.node_run import NodeRun, RunPaths
 from workers.attempt.outputs import Guard, Limits
 from workers.attempt.outputs import record as record_outputs
 from workers.attempt.ranks import Launcher, LocalTorchrun, Ranks
-from workers.attempt.watch import Watch, stop_file, stopping
+from workers.attempt.watch import StopReason, Watch, stop_file, stopping
 from workers.pyenv import provision
 from workers.pyenv.environments import Aborted, EnvironmentFailed
 from workers.reporting.reporter import Reporter, final_flush
@@ -123,7 +129,7 @@ def _run_node(
         return _supervise(sessions=sessions, settings=settings, run=run, paths=paths, ranks=ranks)
     except Exception as exc:
         log.exception("job %s: the launcher itself failed", job_id)
-        error = JobError(type="LauncherError", message=f"{type(exc).__name__}: {exc}")
+        error = JobError(type=Failure.LAUNCHER_ERROR, message=f"{type(exc).__name__}: {exc}")
         return end_abnormally(sessions, att=run.att, error=error)
     finally:
         # This node's ranks are gone: its slots are free for placement even if the others still run.
@@ -149,7 +155,7 @@ def _supervise(
     paths.output_dir.mkdir(parents=True, exist_ok=True)
     if missing := missing_checkpoints(sessions, job_id=job_id, directory=paths.checkpoint_dir):
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
-        error = JobError(type="CheckpointMissing", message=missing)
+        error = JobError(type=Failure.CHECKPOINT_MISSING, message=missing)
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir, attempt=max(1, att.number - 1))
@@ -279,7 +285,7 @@ def _launch(
     finally:
         rc = ranks.end()
     final_flush(reporter, interval=settings.report_interval_seconds, job_id=job_id)
-    if guard is not None and ckpt_guard is not None and watch.stopped_for != "fenced":
+    if guard is not None and ckpt_guard is not None and watch.stopped_for is not StopReason.FENCED:
         # The ranks are gone: what the outputs and the checkpoint folder hold now is what this
         # attempt leaves, and the job's checkpoint list says so whatever events a kill cut short.
         _sync_at_end(sessions, run=run, paths=paths)
@@ -316,11 +322,7 @@ def _stopped_while_preparing(
     if reporter.state.fenced_out:
         return JobStatus.RUNNING
     if reporter.state.cancel_requested:
-        with sessions() as session:
-            pruned = lifecycle.prune_requested(session, job_id=att.job_id)
-        dst, reason = lifecycle.end_of_cancelled_run(finished=False, pruned=pruned)
-        finish(sessions, job_id=att.job_id, token=att.token, dst=dst, reason=reason)
-        return dst
+        return end_cancelled(sessions, att=att, finished=False)
     message = "its worker was stopped while it prepared the job's environment"
     return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
 
@@ -365,21 +367,21 @@ def _stop_reason(
     watch: Watch,
     deadline: float | None,
     guards: tuple[Guard | None, CheckpointGuard | None],
-) -> str | None:
+) -> StopReason | None:
     """Why the ranks must stop now, if they must; the first reason that applies wins."""
     if reporter.state.cancel_requested:
-        return "cancel"
+        return StopReason.CANCEL
     if reporter.state.fenced_out:
-        return "fenced"
+        return StopReason.FENCED
     if stopping.is_set():
-        return "shutdown"
+        return StopReason.SHUTDOWN
     if deadline is not None and time.monotonic() > deadline:
-        return "deadline"
+        return StopReason.DEADLINE
     if watch.stalled():
-        return "stall"
+        return StopReason.STALL
     outputs, checkpoints = guards
     if outputs is not None and outputs.over():
-        return "outputs"
+        return StopReason.OUTPUTS
     if checkpoints is not None and checkpoints.over():
-        return "checkpoints"
+        return StopReason.CHECKPOINTS
     return None

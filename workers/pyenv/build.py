@@ -50,12 +50,11 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from api_schemas import JobError
+from rank_contract.failures import Failure
 from rank_contract.files import create_beneath
 from service.config import Settings
 from service.jobs.requirements import OUR_PACKAGES, WORKER_DISTRIBUTIONS, protected
 from workers.pyenv.environments import (
-    ERROR_TYPE,
-    TOO_LARGE,
     Aborted,
     EnvironmentFailed,
     size_of,
@@ -117,10 +116,10 @@ class Builder:
         if rc != 0:
             raise EnvironmentFailed(_install_error(output, rc))
         if (unmet := unmet_by_worker(root, self.lines)) is not None:
-            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=unmet))
+            raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=unmet))
         if (found := shadowing(root)) is not None:
             message = f"the requirements installed {found}, which always comes from the worker's environment"
-            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+            raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
         # Read-only to the ranks, whoever they run as (the worker's umask is 077); the worker alone
         # removes it.
         os.chmod(root, 0o755)
@@ -177,7 +176,9 @@ class Builder:
             f"({SIZE_SETTING}); the build was stopped and nothing was kept"
         )
         log.write(f"[setup] {message}\n")
-        raise EnvironmentFailed(JobError(type=TOO_LARGE, message=message, traceback=_tail(output)))
+        raise EnvironmentFailed(
+            JobError(type=Failure.ENVIRONMENT_TOO_LARGE, message=message, traceback=_tail(output))
+        )
 
     def _run(self, root: Path) -> tuple[int, list[str]]:  # noqa: C901 - one loop: read, log, time out
         tmp = "/tmp" if self.sandboxed else str(root / "setup" / "tmp")
@@ -202,7 +203,7 @@ class Builder:
         opened = create_beneath(self.log.parent, self.log.name)
         if opened is None:
             message = f"{self.log} is a link or not a regular file: the build's output is not put there"
-            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+            raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
         with io.TextIOWrapper(opened, encoding="utf-8", errors="replace") as log:
             log.write(f"[setup] installing {len(self.lines)} requirements: {' '.join(self.lines)}\n")
             log.flush()
@@ -238,7 +239,9 @@ class Builder:
                         message = f"the environment's build took longer than {limit:g} s ({TIMEOUT_SETTING})"
                         log.write(f"[setup] {message}\n")
                         tail = "\n".join(output[-TRACEBACK_LINES:]) or None
-                        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message, traceback=tail))
+                        raise EnvironmentFailed(
+                            JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message, traceback=tail)
+                        )
                     if not self.poll():
                         raise Aborted
                     if time.monotonic() - measured >= MEASURE_SECONDS:
@@ -320,7 +323,7 @@ def _make_venv(root: Path) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
     if done.returncode != 0:
         message = f"making the environment's venv failed: {done.stderr.strip()[-2000:]}"
-        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+        raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
     layered = [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
     (purelib,) = {p for p in root.glob("lib/python*/site-packages")}
     # After the venv's own folder (addsitedir appends), so the job's packages win over the worker's
@@ -355,7 +358,9 @@ def _install_error(output: list[str], rc: int) -> JobError:
     message = "\n".join(said[:MESSAGE_LINES]) or f"the installer exited with code {rc}"
     tail = "\n".join(output[-TRACEBACK_LINES:]) or None
     return JobError(
-        type=ERROR_TYPE, message=f"installing the job's requirements failed: {message}", traceback=tail
+        type=Failure.ENVIRONMENT_BUILD_FAILED,
+        message=f"installing the job's requirements failed: {message}",
+        traceback=tail,
     )
 
 

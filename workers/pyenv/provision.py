@@ -2,7 +2,7 @@
 
 Runs after the reporter exists, so the build's output (the `[setup]` lines of logs/setup.log) is
 shipped as it comes, a cancel is heard while it waits or builds, and its failure ends the attempt
-at once (EnvironmentBuildFailed, never retried: workers/attempt/end.NOT_RETRIED).
+at once (EnvironmentBuildFailed, never retried: rank_contract/failures.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 
 from api_schemas import JobError, JobSpec
 from rank_contract.env import sdk_env
+from rank_contract.failures import Failure
 from service.code.storage import archive_path
 from service.config import Settings
 from workers.attempt.init_checkpoint import InitCheckpoint, unshare
@@ -54,7 +55,7 @@ class RunAs:
             entry = pwd.getpwnam(name)
         except KeyError:
             message = f"DPTRAIN_RUN_AS names no user of this host: {name!r}"
-            raise SetupFailed(JobError(type="LauncherError", message=message)) from None
+            raise SetupFailed(JobError(type=Failure.LAUNCHER_ERROR, message=message)) from None
         return cls(name=name, uid=entry.pw_uid, gid=entry.pw_gid, switched=switched)
 
     def popen_args(self) -> dict[str, Any]:
@@ -105,7 +106,7 @@ def ranks_user(
             uid, gid = bubblewrap.nobody()
             return RunAs(name="nobody", uid=uid, gid=gid)
     except rank_uids.NoFreeUid as exc:
-        raise SetupFailed(JobError(type="NoFreeUid", message=str(exc))) from exc
+        raise SetupFailed(JobError(type=Failure.NO_FREE_UID, message=str(exc))) from exc
     return RunAs.leased(lease)
 
 
@@ -169,7 +170,7 @@ def prepare(
         raise SetupFailed(mismatch)
     why = unsandboxed
     if why is not None and settings.sandbox == "required":
-        raise SetupFailed(JobError(type="SandboxUnavailable", message=why))
+        raise SetupFailed(JobError(type=Failure.SANDBOX_UNAVAILABLE, message=why))
     code_dir = unpack_code(settings, spec)
     scratch = make_scratch(run_dir, code_dir)
     # Never root inside the sandbox: a root worker's sandboxed ranks always get a user here.
