@@ -66,7 +66,7 @@ def test_the_runner_starts_signals_at_a_cancel_and_ends_the_ranks_it_is_given(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
     spec = job_spec(name="seam", hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     attempt = place_here(settings, job_id=job_id)
     FakeRanks.made.clear()
     out: list[JobStatus | None] = []
