@@ -62,6 +62,7 @@ from workers.pyenv.environments import (
 )
 from workers.sandbox import bubblewrap
 from workers.sandbox.procs import kill_group
+from workers.sandbox.rank_setup import RunAs
 
 POLL_SECONDS = 0.1
 TIMEOUT_SETTING = "DPTRAIN_ENV_BUILD_TIMEOUT_SECONDS"
@@ -85,9 +86,10 @@ class Builder:
     lines: list[str]
     settings: Settings
     log: Path
-    box: bubblewrap.Box | None
-    uid: int | None = None
-    gid: int | None = None
+    # Whether the ranks run in the sandbox (the build then does too), and who they run as
+    # (workers/sandbox/rank_setup.ranks_user decided it for the attempt; None: the worker's user).
+    sandboxed: bool
+    run_as: RunAs | None = None
     code_dir: Path | None = None
     # Runs while the build does: False gives it up (Aborted), e.g. on a cancel.
     poll: Callable[[], bool] = lambda: True
@@ -101,7 +103,8 @@ class Builder:
         (root / "setup" / "constraints.txt").write_text("\n".join(pins) + "\n")
         (root / "setup" / "excludes.txt").write_text("\n".join(sorted(worker_distributions())) + "\n")
         (root / "setup" / "tmp").mkdir()
-        owner = (self.uid, self.gid) if self.uid is not None and self.gid is not None else None
+        # The folder is the installer's to write: it runs as the ranks' user where the worker switches.
+        owner = self._switch_to()
         if owner is not None:
             _chown_tree(root, *owner)
         try:
@@ -140,20 +143,27 @@ class Builder:
             argv += ["--index-url", self.settings.pip_index_url]
         for link in filter(None, (s.strip() for s in self.settings.pip_find_links.split(","))):
             argv += ["--find-links", link]
-        if self.box is not None:
+        if self.sandboxed:
+            user = self._switch_to()
             box = bubblewrap.Box(
-                run_dir=root,
-                checkpoint_dir=root,
                 workdir=self.code_dir or root,
                 tmp_dir=setup / "tmp",
-                code_dir=self.code_dir,
-                uid=self.box.uid,
-                gid=self.box.gid,
+                # Only the environment's folder is writable; the job's code tree (a local
+                # requirement's path) is read-only, as the ranks see it.
+                writable=(root,),
+                read_only=(self.code_dir,) if self.code_dir is not None else (),
+                uid=user[0] if user else None,
+                gid=user[1] if user else None,
             )
             argv = bubblewrap.bwrap_argv(box, argv)
         if PRLIMIT is None:
             return argv
         return [PRLIMIT, f"--fsize={self.settings.max_env_bytes}", "--", *argv]
+
+    def _switch_to(self) -> tuple[int, int] | None:
+        """The (uid, gid) the installer's processes switch to; None: they keep the worker's."""
+        run_as = self.run_as
+        return (run_as.uid, run_as.gid) if run_as is not None and run_as.switched else None
 
     def _check_size(self, root: Path, log: TextIO, output: list[str]) -> None:
         """EnvironmentTooLarge if the folder (the installer's temporary files included) is over its bound."""
@@ -171,7 +181,7 @@ class Builder:
         )
 
     def _run(self, root: Path) -> tuple[int, list[str]]:  # noqa: C901 - one loop: read, log, time out
-        tmp = "/tmp" if self.box is not None else str(root / "setup" / "tmp")
+        tmp = "/tmp" if self.sandboxed else str(root / "setup" / "tmp")
         env = {k: v for k, v in os.environ.items() if k in PASSED_THROUGH}
         env |= {
             "PATH": f"{root / 'bin'}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
@@ -184,8 +194,8 @@ class Builder:
             "PYTHONDONTWRITEBYTECODE": "1",
         }
         user: dict[str, Any] = {}
-        if self.box is None and self.uid is not None:
-            user = {"user": self.uid, "group": self.gid, "extra_groups": []}
+        if not self.sandboxed and (owner := self._switch_to()) is not None:
+            user = {"user": owner[0], "group": owner[1], "extra_groups": []}
         deadline = time.monotonic() + self.settings.env_build_timeout_seconds
         measured = time.monotonic()
         output: list[str] = []
@@ -241,7 +251,7 @@ class Builder:
                         time.sleep(POLL_SECONDS)
             finally:
                 if proc.poll() is None:
-                    kill_group(proc, sandboxed=self.box is not None)
+                    kill_group(proc, sandboxed=self.sandboxed)
                 with contextlib.suppress(Exception):
                     proc.wait(timeout=30)
                 proc.stdout.close()
