@@ -70,7 +70,7 @@ def enter(
         lines=lines,
         settings=settings,
         # In the run's logs/ folder and no rank's file: the reporter ships its lines with no rank.
-        log=paths.run_dir / "logs" / "setup.log",
+        log=paths.run.setup_log,
         box=box,
         # Sandboxed, bwrap switches to the ranks' user itself; the folder must be theirs to write.
         uid=run_as.uid if run_as is not None and os.getuid() == 0 else None,

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rank_contract.env import stop_file
 from rank_contract.files import touch_beneath
 
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
@@ -35,7 +34,7 @@ stopping = threading.Event()
 # included, within the 10 s that `docker stop` waits before its SIGKILL.
 SHUTDOWN_GRACE_SECONDS = 3.0
 
-__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "Watch", "stop_file", "stopping"]
+__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "Watch", "stopping"]
 
 
 class Watch:

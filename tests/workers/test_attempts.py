@@ -11,10 +11,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.layout import RunFiles
 from service.models import Job, JobTransition
 from service.models.base import utcnow
 from workers.attempts import WORKER_STOPPED, end_abnormally, is_retryable, launcher_error
-from workers.engine.events import EventWriter, events_path
+from workers.engine.events import EventWriter
 from workers.node_run import Attempt
 from workers.reporting import Reporter
 
@@ -23,7 +24,7 @@ SPEC = {"name": "a", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4
 
 def _rank_error(sessions: sessionmaker[Session], run_dir: Path) -> JobError:
     """What the runner records when rank 1 raised: its error event, read back by the reporter."""
-    writer = EventWriter(events_path(run_dir, 1), 1)
+    writer = EventWriter(RunFiles(run_dir).rank_events(1), 1)
     try:
         raise RuntimeError("injected fault at step 2")
     except RuntimeError as exc:
