@@ -30,7 +30,16 @@ from api_schemas.jobs import (
 )
 from api_schemas.recipes import EVAL_METRICS, RECIPES
 from api_schemas.stacks import JobStacks, ProcessStack, StackDump, StackFrame, StackReason, ThreadStack
-from api_schemas.sweeps import Objective, Pruner, Sweep, SweepBest, SweepCreate, SweepList, SweepTrial
+from api_schemas.sweeps import (
+    Objective,
+    Pruner,
+    Sweep,
+    SweepBest,
+    SweepCreate,
+    SweepList,
+    SweepState,
+    SweepTrial,
+)
 from api_schemas.training import EVAL_METRIC_PATTERN, EvaluationSpec, KeepBest
 from api_schemas.users import IssuedToken, UserCreate, UserInfo
 from api_schemas.webhooks import (
@@ -89,6 +98,7 @@ __all__ = [
     "SweepBest",
     "SweepCreate",
     "SweepList",
+    "SweepState",
     "SweepTrial",
     "WebhookCreate",
     "WebhookCreated",

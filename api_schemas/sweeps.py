@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from datetime import datetime
 from typing import Any, Literal
 
@@ -91,16 +92,27 @@ class SweepCreate(BaseModel):
         return self
 
 
-SweepState = Literal["running", "succeeded", "cancelled", "failed"]
+class SweepState(str, enum.Enum):
+    """Lifecycle of a sweep; `running -> succeeded|failed|cancelled`."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    def is_terminal(self) -> bool:
+        """True once the sweep can never change state again."""
+        return self is not SweepState.RUNNING
 
 
 class SweepTrial(BaseModel):
-    """One trial: a job, its parameters, its status and its objective once known."""
+    """One trial: a job, its parameters, its status and its objective (its job succeeded)."""
 
     number: int
     job_id: str | None
     params: dict[str, JsonValue]
-    # The job's status, or `pruned` for a trial the pruner stopped.
+    # Its job's status (`pruned` when the pruner stopped it), `failed` if its job is gone: never
+    # stored apart from the job, so the two cannot disagree.
     status: str
     objective: float | None = None
     steps: list[tuple[int, float]] | None = None

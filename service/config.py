@@ -105,6 +105,11 @@ class Settings(BaseSettings):
     # distributions, systemd's DynamicUser (61184-65519) and nobody (65534) use, and below useradd's
     # subordinate ids (100000 up); a container that maps only 65536 ids needs one below 65534.
     rank_uid_range: str = "65536-66559"
+    # A multi-node attempt's ranks run as one uid on every node (they share one checkpoint folder):
+    # placement gives each running multi-node attempt a uid of this range that no other holds in the
+    # cluster, and each of its nodes leases that uid as above. Kept apart from DPTRAIN_RANK_UID_RANGE,
+    # whose uids each host leases on its own; every API and worker process must agree on it.
+    cluster_rank_uid_range: str = "66560-67583"
     # Every attempt's ranks run in a bubblewrap sandbox (workers/sandbox.py, docs/security.md):
     # `required` refuses to start a worker where bwrap or namespaces are missing; `auto` too, except
     # for `dptrain up`'s embedded worker, which then runs them unsandboxed with a warning; `off`
@@ -202,17 +207,18 @@ class Settings(BaseSettings):
         # DPTRAIN_METRICS_TOKEN (docker-compose passes one through unset) means no scrape token.
         return None if v == "" else v
 
-    @field_validator("rank_uid_range")
+    @field_validator("rank_uid_range", "cluster_rank_uid_range")
     @classmethod
-    def _uid_range(cls, v: str) -> str:
+    def _uid_range(cls, v: str, info: ValidationInfo) -> str:
+        name = f"DPTRAIN_{str(info.field_name).upper()}"
         first, sep, last = v.partition("-")
         if not (sep and first.strip().isdigit() and last.strip().isdigit()):
-            raise ValueError(f"DPTRAIN_RANK_UID_RANGE must be two uids like 65536-66559, not {v!r}")
+            raise ValueError(f"{name} must be two uids like 65536-66559, not {v!r}")
         low, high = int(first), int(last)
         # Below 1000 are the system's accounts; nobody (65534), 65535 and (uid_t)-1 are never a rank's.
         if not 1000 <= low <= high < 2**32 - 1 or low <= 65534 <= high or low <= 65535 <= high:
             raise ValueError(
-                f"DPTRAIN_RANK_UID_RANGE {v!r} must be first-last within 1000-4294967294, first not above "
+                f"{name} {v!r} must be first-last within 1000-4294967294, first not above "
                 "last, without 65534 (nobody) and 65535"
             )
         return f"{low}-{high}"
@@ -246,6 +252,10 @@ class Settings(BaseSettings):
             self.api_docs = self.is_sqlite
         if self.rendezvous_port_min > self.rendezvous_port_max:
             raise ValueError("DPTRAIN_RENDEZVOUS_PORT_MIN must not exceed DPTRAIN_RENDEZVOUS_PORT_MAX")
+        (low, high), (c_low, c_high) = self.rank_uids, self.cluster_rank_uids
+        if low <= c_high and c_low <= high:
+            # A host's own leases and the cluster's must never hand one uid to two attempts.
+            raise ValueError("DPTRAIN_RANK_UID_RANGE and DPTRAIN_CLUSTER_RANK_UID_RANGE must not overlap")
         if self.default_page_size > self.max_page_size:
             raise ValueError("DPTRAIN_DEFAULT_PAGE_SIZE must not exceed DPTRAIN_MAX_PAGE_SIZE")
         return self
@@ -275,6 +285,12 @@ class Settings(BaseSettings):
     def rank_uids(self) -> tuple[int, int]:
         """DPTRAIN_RANK_UID_RANGE as (first, last), both included."""
         first, _, last = self.rank_uid_range.partition("-")
+        return int(first), int(last)
+
+    @property
+    def cluster_rank_uids(self) -> tuple[int, int]:
+        """DPTRAIN_CLUSTER_RANK_UID_RANGE as (first, last), both included."""
+        first, _, last = self.cluster_rank_uid_range.partition("-")
         return int(first), int(last)
 
     @property

@@ -427,3 +427,29 @@ class TestTheLayoutRule:
             s for s in segments if s not in layout.NAMES and not any(t.fullmatch(s) for t in templates)
         }
         assert unnamed == set(), f"names the layout makes that the rule does not know: {unnamed}"
+
+
+def test_sweeps_never_write_a_trials_status() -> None:
+    # A trial's status is its job's: the trial row has no column for one, and the sweeps' code moves
+    # no state but a sweep's own, in its lifecycle module, by one guarded UPDATE.
+    from service.models import SweepTrial
+
+    columns = set(SweepTrial.__table__.columns.keys())
+    assert not columns & {"state", "status"}, f"sweep_trials stores a status again: {sorted(columns)}"
+    lifecycle = ROOT / "service" / "sweeps" / "lifecycle.py"
+    writes: list[str] = []
+    for path in sorted((ROOT / "service" / "sweeps").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = [t for target in node.targets for t in ast.walk(target)]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            writes += [
+                where for t in targets if isinstance(t, ast.Attribute) and t.attr in ("state", "status")
+            ]
+            is_update = isinstance(node, ast.Call) and getattr(node.func, "id", None) == "update"
+            if is_update and path != lifecycle:
+                writes.append(f"{where}: update()")
+    assert writes == [], f"status or state written outside service/sweeps/lifecycle.py: {writes}"

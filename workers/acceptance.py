@@ -83,4 +83,5 @@ def accept(
             init=init_checkpoint.of_row(
                 job_id=job.init_job, step=job.init_step, path=job.init_path, sha256=job.init_sha256
             ),
+            cluster_uid=mine.rank_uid if nnodes > 1 else None,
         )

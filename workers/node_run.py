@@ -69,6 +69,9 @@ class NodeRun:
     address: str
     # The job's `init_from` checkpoint, pinned at submit (None without one).
     init: InitCheckpoint | None = None
+    # A multi-node attempt's uid, the same on every node (placement's, from
+    # DPTRAIN_CLUSTER_RANK_UID_RANGE); None for one node, or an attempt placed before uids were.
+    cluster_uid: int | None = None
 
     @property
     def is_primary(self) -> bool:

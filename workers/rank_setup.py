@@ -67,13 +67,21 @@ class RunAs:
 
 
 def ranks_user(
-    *, settings: Settings, sandboxed: bool, multi_node: bool, hold: contextlib.ExitStack
+    *,
+    settings: Settings,
+    sandboxed: bool,
+    multi_node: bool,
+    hold: contextlib.ExitStack,
+    attempt: str,
+    cluster_uid: int | None = None,
 ) -> RunAs | None:
     """Who the attempt's ranks and its environment's build run as: the one place that decides it.
 
     DPTRAIN_RUN_AS's user where the operator names one; else, for a root worker's sandboxed ranks, a
-    uid of DPTRAIN_RANK_UID_RANGE that no other attempt on this host holds, leased until `hold`
-    closes (nobody for a multi-node attempt); else None, the worker's own user (a worker that is
+    uid leased until `hold` closes: for one node, any uid of DPTRAIN_RANK_UID_RANGE that no other
+    attempt on this host holds; for a multi-node attempt, `cluster_uid`, the one placement gave it
+    for every node, held in the name `attempt` beside its other nodes on this host (nobody for an
+    attempt placed before placement gave uids). Else None, the worker's own user (a worker that is
     not root; a root worker's unsandboxed ranks, which the sandbox's absence already leaves with the
     worker's rights).
     """
@@ -81,14 +89,18 @@ def ranks_user(
         return RunAs.named(settings.run_as)
     if os.getuid() != 0 or not sandboxed:
         return None
-    if multi_node:
-        # Every node's ranks read the job's one checkpoint folder (shared storage, or one host in
-        # small setups), which each node hands to its ranks' user: that user must be the same on
-        # every node, and a lease is one host's.
-        uid, gid = sandbox.nobody()
-        return RunAs(name="nobody", uid=uid, gid=gid)
     try:
-        lease = hold.enter_context(rank_uids.leased(settings.rank_uids))
+        if not multi_node:
+            lease = hold.enter_context(rank_uids.leased(settings.rank_uids))
+        elif cluster_uid is not None:
+            # Every node's ranks read the job's one checkpoint folder (shared storage, or one host
+            # in small setups), which each node hands to its ranks' user: the same uid on every
+            # node, which no other running attempt in the cluster holds (placement's choice).
+            lease = rank_uids.acquire_shared(cluster_uid, holder=attempt, within=settings.cluster_rank_uids)
+            hold.callback(rank_uids.release, lease)
+        else:
+            uid, gid = sandbox.nobody()
+            return RunAs(name="nobody", uid=uid, gid=gid)
     except rank_uids.NoFreeUid as exc:
         raise SetupFailed(JobError(type="NoFreeUid", message=str(exc))) from exc
     return RunAs.leased(lease)
@@ -134,6 +146,7 @@ def prepare(
     unsandboxed: str | None,
     hold: contextlib.ExitStack,
     multi_node: bool = False,
+    cluster_uid: int | None = None,
     interface: str | None = None,
     init: InitCheckpoint | None = None,
 ) -> RankSetup:
@@ -142,7 +155,7 @@ def prepare(
     `paths`: the job's folders and this node's run directory of the attempt;
     `unsandboxed` says why this worker cannot sandbox the ranks (`sandbox.unavailable`), None if it can;
     `hold` keeps the ranks' own uid leased (`ranks_user`) until it closes, after the attempt's end;
-    `multi_node` says the attempt has other nodes;
+    `multi_node` says the attempt has other nodes, `cluster_uid` the uid placement gave all of them;
     `interface` is the network interface of this node's address in a multi-node attempt; `init` the
     job's init_from checkpoint when its ranks start from it (verified here first, SetupFailed if not).
     """
@@ -156,7 +169,14 @@ def prepare(
     code_dir = unpack_code(settings, spec)
     scratch = make_scratch(run_dir, code_dir)
     # Never root inside the sandbox: a root worker's sandboxed ranks always get a user here.
-    run_as = ranks_user(settings=settings, sandboxed=why is None, multi_node=multi_node, hold=hold)
+    run_as = ranks_user(
+        settings=settings,
+        sandboxed=why is None,
+        multi_node=multi_node,
+        cluster_uid=cluster_uid,
+        hold=hold,
+        attempt=f"{paths.job.job_id}/{paths.attempt}",
+    )
     if run_as is not None:
         if init is not None:
             unshare(init.folder)

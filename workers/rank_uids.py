@@ -59,6 +59,10 @@ class Lease:
     uid: int
     fd: int
     owned: list[Path] = field(default_factory=list)
+    # A multi-node attempt's lease (`acquire_shared`): the attempt it is held for, and the gate its
+    # holders on this host take turns through; None for a lease of this host's range.
+    holder: str | None = None
+    gate: Path | None = None
 
     @property
     def gid(self) -> int:
@@ -68,8 +72,12 @@ class Lease:
     def own(self, folders: Iterable[Path]) -> None:
         """Note `folders` as about to be handed to the uid: taken back before the uid is leased again."""
         self.owned += [Path(f) for f in folders if Path(f) not in self.owned]
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps([str(p) for p in self.owned]).encode(), 0)
+        if self.gate is None:
+            _record(self.fd, self.owned)
+            return
+        # One record for every node of the attempt on this host: the last to release takes back all.
+        with _gated(self.gate):
+            _record(self.fd, [*_recorded(self.fd), *self.owned], holder=self.holder)
 
 
 def processes_of(uid: int) -> list[psutil.Process]:
@@ -131,12 +139,26 @@ def _try(uid: int, folder: Path) -> Lease | None:
     return lease
 
 
-def _recorded(fd: int) -> list[Path]:
+def _read(fd: int) -> dict[str, object]:
+    """A lock file's record: the folders its holders handed over, and a shared lease's holder."""
     raw = os.pread(fd, 1 << 20, 0)
     try:
-        return [Path(p) for p in json.loads(raw)] if raw else []
+        record = json.loads(raw) if raw else {}
     except ValueError:
-        return []
+        return {}
+    # A host lease writes the bare list of folders.
+    return {"owned": record} if isinstance(record, list) else record if isinstance(record, dict) else {}
+
+
+def _recorded(fd: int) -> list[Path]:
+    owned = _read(fd).get("owned")
+    return [Path(p) for p in owned if isinstance(p, str)] if isinstance(owned, list) else []
+
+
+def _record(fd: int, owned: Iterable[Path], *, holder: str | None = None) -> None:
+    paths = sorted({str(p) for p in owned})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(paths if holder is None else {"holder": holder, "owned": paths}).encode(), 0)
 
 
 def acquire(uid_range: tuple[int, int], *, lock_dir: Path = LOCK_DIR) -> Lease:
@@ -158,6 +180,9 @@ def acquire(uid_range: tuple[int, int], *, lock_dir: Path = LOCK_DIR) -> Lease:
 
 def release(lease: Lease) -> None:
     """End `lease`: kill what still runs as its uid, take back what it owned, then free the uid."""
+    if lease.gate is not None:
+        _release_shared(lease, gate=lease.gate)
+        return
     try:
         if not _end_processes(lease.uid):
             # A process that SIGKILL does not end (stuck in the kernel): keep the uid held by this
@@ -216,3 +241,115 @@ def _take_back(uid: int, folders: Iterable[Path]) -> None:
         for root, dirs, files in os.walk(top):
             for name in (*dirs, *files):
                 mine(os.path.join(root, name))
+
+
+# A multi-node attempt's uid. Its nodes read one checkpoint folder (shared storage), which each of
+# them hands to its ranks' user: the uid must be the same on every node, so placement chooses it
+# (DPTRAIN_CLUSTER_RANK_UID_RANGE, none other running holds it in the cluster) and each node leases
+# that number here. Two nodes of one attempt may share a host (small clusters, the tests): they hold
+# the uid's lock file shared, under the attempt's name, and the last of them to release it ends it.
+# Each decision to take, join or end such a lease is made under an exclusive flock of `<uid>.gate`,
+# so the lock file is held exclusively only there, for a moment.
+
+
+@contextlib.contextmanager
+def _gated(gate: Path) -> Iterator[None]:
+    fd = os.open(gate, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def acquire_shared(
+    uid: int,
+    *,
+    holder: str,
+    within: tuple[int, int],
+    lock_dir: Path = LOCK_DIR,
+    wait_s: float = 2 * END_TIMEOUT_S,
+) -> Lease:
+    """Lease `uid` for attempt `holder` (placement's choice), beside its other nodes on this host.
+
+    Placement frees a uid when an attempt's node rows go, which may be a moment before a node of
+    that attempt has ended its lease here: so a uid another attempt holds is waited for up to
+    `wait_s`. NoFreeUid if it stays held, lies outside `within` (this host's
+    DPTRAIN_CLUSTER_RANK_UID_RANGE) or belongs to a user or group of the host.
+    """
+    low, high = within
+    if not low <= uid <= high:
+        raise NoFreeUid(f"uid {uid} lies outside this worker's DPTRAIN_CLUSTER_RANK_UID_RANGE ({low}-{high})")
+    if _is_named(uid):
+        raise NoFreeUid(
+            f"uid {uid} of DPTRAIN_CLUSTER_RANK_UID_RANGE belongs to a user or group of this host"
+        )
+    folder = _lock_dir(lock_dir)
+    gate = folder / f"{uid}.gate"
+    deadline = time.monotonic() + wait_s
+    while True:
+        with _gated(gate):
+            lease = _join(uid, holder=holder, folder=folder, gate=gate)
+        if lease is not None:
+            return lease
+        if time.monotonic() > deadline:
+            raise NoFreeUid(
+                f"uid {uid}, this multi-node attempt's, is still held on this host after {wait_s:.0f} s"
+            )
+        time.sleep(0.5)
+
+
+def _join(uid: int, *, holder: str, folder: Path, gate: Path) -> Lease | None:
+    """Under the gate: `uid`'s lease for `holder`, taken or joined; None while another attempt holds it."""
+    fd = os.open(folder / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise
+        if _read(fd).get("holder") == holder:
+            # Another node of this attempt holds it here (shared: only the gate's holder takes it
+            # exclusively, so this never blocks).
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return Lease(uid=uid, fd=fd, holder=holder, gate=gate)
+        os.close(fd)
+        return None
+    if processes_of(uid):
+        os.close(fd)  # strays of an earlier holder, still dying
+        return None
+    if left := _recorded(fd):
+        log.warning("uid %d: taking back %d folders its last holder (a dead worker) left", uid, len(left))
+        _take_back(uid, left)
+    _record(fd, [], holder=holder)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # under the gate: no one takes it between
+    return Lease(uid=uid, fd=fd, holder=holder, gate=gate)
+
+
+def _release_shared(lease: Lease, *, gate: Path) -> None:
+    """Let go of a multi-node attempt's uid; the last of its holders on this host ends the lease."""
+    try:
+        with _gated(gate):
+            try:
+                fcntl.flock(lease.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                os.close(lease.fd)  # another node of the attempt runs on here: it ends the lease
+                return
+            if not _end_processes(lease.uid):
+                # Kept, exclusively, in no attempt's name: nothing joins a uid whose processes are stuck.
+                _record(lease.fd, _recorded(lease.fd), holder="")
+                log.error(
+                    "uid %d: processes outlived SIGKILL; the uid stays held until this worker exits",
+                    lease.uid,
+                )
+                return
+            _take_back(lease.uid, _recorded(lease.fd))
+            os.ftruncate(lease.fd, 0)
+    except BaseException:
+        log.exception(
+            "uid %d: its lease could not end cleanly; it stays held until this worker exits", lease.uid
+        )
+        return
+    os.close(lease.fd)

@@ -170,6 +170,7 @@ def _prepare_and_launch(
             unsandboxed=sandbox.unavailable(settings.sandbox),
             hold=hold,
             multi_node=run.nnodes > 1,
+            cluster_uid=run.cluster_uid,
             interface=interface_of(run.address) if run.rendezvous is not None else None,
             init=init_checkpoint.needed(run.init, checkpoint_dir=paths.job.checkpoints),
         )

@@ -22,6 +22,7 @@ class Sweep(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(100))
     owner_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    # Written only by service.sweeps.lifecycle.transition().
     state: Mapped[str] = mapped_column(String(16), default="running")
     # The request as accepted (SweepCreate as JSON).
     spec: Mapped[dict[str, Any]]
@@ -42,7 +43,8 @@ class SweepTrial(Base):
     number: Mapped[int]
     job_id: Mapped[str | None] = mapped_column(String(32), default=None)
     params: Mapped[dict[str, Any]]
-    # active until its job ends; then complete (objective known), pruned or failed.
-    state: Mapped[str] = mapped_column(String(16), default="active")
+    # No status of its own: a trial's status is its job's (service.sweeps.service.status_of).
+    # The objective, once its job succeeded: kept here because a finished job's metric points are
+    # purged with its history (service.jobs.repository.purge_history), and the result must outlive them.
     objective: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

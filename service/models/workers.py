@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ForeignKey, Index, String, UniqueConstraint
+from sqlalchemy import BigInteger, ForeignKey, Index, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.models.base import Base, utcnow
@@ -47,6 +47,9 @@ class JobNode(Base):
     address: Mapped[str] = mapped_column(String(255))
     # The c10d rendezvous port, on node 0 of a multi-node job (its address is the endpoint).
     port: Mapped[int | None] = mapped_column(default=None)
+    # The uid a multi-node attempt's ranks run as on every node, on each of its rows: placement gives
+    # it from DPTRAIN_CLUSTER_RANK_UID_RANGE, none other running holds it (None for one node).
+    rank_uid: Mapped[int | None] = mapped_column(BigInteger, default=None)
     placed_at: Mapped[datetime] = mapped_column(default=utcnow)
     # Set when the node's worker accepted its message and started torchrun.
     started_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -72,6 +72,12 @@ def ports_in_use(session: Session) -> set[int]:
     return {int(p) for p in ports if p is not None}
 
 
+def rank_uids_in_use(session: Session) -> set[int]:
+    """The uids running multi-node attempts' ranks hold (on any of their nodes, until each ends)."""
+    uids = session.execute(select(JobNode.rank_uid).where(JobNode.rank_uid.is_not(None)).distinct()).scalars()
+    return {int(u) for u in uids if u is not None}
+
+
 class Queued(NamedTuple):
     """A queued job placement can read, and what it needs."""
 

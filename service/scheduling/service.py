@@ -11,9 +11,10 @@ node that never joins ends the attempt at the rendezvous timeout.
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -43,6 +44,9 @@ class Placed:
 
 
 NO_PORT = "waiting for a free rendezvous port (every DPTRAIN_RENDEZVOUS_PORT_* port is in use)"
+NO_UID = (
+    "waiting for a free uid (every DPTRAIN_CLUSTER_RANK_UID_RANGE uid is held by a running multi-node job)"
+)
 
 
 def live_after(settings: Settings) -> timedelta:
@@ -88,7 +92,8 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
         max_running=settings.max_running_jobs_per_user,
     )
     ports = repository.ports_in_use(session)
-    chosen: list[tuple[Pending, Decision, int | None]] = []
+    uids = repository.rank_uids_in_use(session)
+    chosen: list[tuple[Pending, Decision, Multi | None]] = []
     waits: dict[str, Wait] = {}
     for job, decision in zip(pending, decisions, strict=True):
         if not decision.placed:
@@ -96,14 +101,17 @@ def place(session: Session, *, settings: Settings) -> list[Placed]:
             if decision.reason is not None and wait != before[job.job_id]:
                 waits[job.job_id] = wait
             continue
-        port = None
+        multi = None
         if job.nodes > 1:
             port = _free_port(ports, settings=settings)
-            if port is None:
-                waits[job.job_id] = Wait(NO_PORT)
+            uid = _free_uid(uids, settings=settings)
+            if port is None or uid is None:
+                waits[job.job_id] = Wait(NO_PORT if port is None else NO_UID)
                 continue
             ports.add(port)
-        chosen.append((job, decision, port))
+            uids.add(uid)
+            multi = Multi(port=port, rank_uid=uid)
+        chosen.append((job, decision, multi))
     placed = _start(session, chosen=chosen)
     repository.set_reasons(session, waits=waits)
     return placed
@@ -174,10 +182,29 @@ def _free_port(ports: set[int], *, settings: Settings) -> int | None:
     return None
 
 
-def _start(session: Session, *, chosen: list[tuple[Pending, Decision, int | None]]) -> list[Placed]:
+def _free_uid(uids: set[int], *, settings: Settings) -> int | None:
+    low, high = settings.cluster_rank_uids
+    count = high - low + 1
+    # From anywhere in the range: a uid just freed (its last node may still be ending its lease,
+    # workers/rank_uids.py) is then seldom the next one given.
+    start = random.randrange(count)
+    for i in range(count):
+        if (uid := low + (start + i) % count) not in uids:
+            return uid
+    return None
+
+
+class Multi(NamedTuple):
+    """What placement gives a multi-node attempt beside its nodes: node 0's rendezvous port, one uid."""
+
+    port: int
+    rank_uid: int
+
+
+def _start(session: Session, *, chosen: list[tuple[Pending, Decision, Multi | None]]) -> list[Placed]:
     """Move the chosen jobs to `running` with a new attempt on their nodes, in one claim and one INSERT
     of their job_nodes rows; a job that left `queued` since it was read is left out."""
-    names = {job.job_id: [n.name for n in decision.nodes] for job, decision, _port in chosen}
+    names = {job.job_id: [n.name for n in decision.nodes] for job, decision, _multi in chosen}
     attempts = lifecycle.claim_many(
         session,
         workers={job_id: nodes[0] for job_id, nodes in names.items()},
@@ -186,9 +213,10 @@ def _start(session: Session, *, chosen: list[tuple[Pending, Decision, int | None
     now = utcnow()
     rows: list[dict[str, Any]] = []
     placed: list[Placed] = []
-    for job, decision, port in chosen:
+    for job, decision, multi in chosen:
         if (attempt := attempts.get(job.job_id)) is None:  # cancelled since it was read
             continue
+        port = multi.port if multi is not None else None
         rows += [
             {
                 "job_id": job.job_id,
@@ -198,6 +226,7 @@ def _start(session: Session, *, chosen: list[tuple[Pending, Decision, int | None
                 "slots": job.processes_per_node,
                 "address": node.address,
                 "port": port if rank == 0 else None,
+                "rank_uid": multi.rank_uid if multi is not None else None,
                 "placed_at": now,
                 "started_at": None,
             }

@@ -9,6 +9,7 @@ from datetime import datetime
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
+from api_schemas import SweepState
 from service.models import Job, Metric, Sweep, SweepTrial
 
 
@@ -30,7 +31,11 @@ def get(session: Session, *, sweep_id: str, owner_id: int | None = None, lock: b
 
 def running_ids(session: Session) -> list[str]:
     """The ids of the sweeps still running."""
-    return list(session.scalars(select(Sweep.id).where(Sweep.state == "running").order_by(Sweep.created_at)))
+    return list(
+        session.scalars(
+            select(Sweep.id).where(Sweep.state == SweepState.RUNNING.value).order_by(Sweep.created_at)
+        )
+    )
 
 
 def trials(session: Session, *, sweep_id: str) -> list[tuple[SweepTrial, Job | None]]:

@@ -9,16 +9,30 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api_schemas import JobSpec, JobStatus, Sweep, SweepBest, SweepCreate, SweepList, SweepTrial
+from api_schemas import (
+    JobSpec,
+    JobStatus,
+    Sweep,
+    SweepBest,
+    SweepCreate,
+    SweepList,
+    SweepState,
+    SweepTrial,
+)
 from service.config import Settings
 from service.errors import NotFound, invalid_field
 from service.jobs import policy
 from service.jobs import service as jobs
+from service.models import Job, User
 from service.models import Sweep as SweepRow
-from service.models import User
 from service.models.base import utcnow
 from service.scheduling import queue
-from service.sweeps import repository, space
+from service.sweeps import lifecycle, repository, space
+
+
+def status_of(job: Job | None) -> JobStatus:
+    """A trial's status: its job's (`failed` if the job is gone), never stored on the trial."""
+    return JobStatus(job.status) if job is not None else JobStatus.FAILED
 
 
 def trial_spec(sweep: SweepRow, *, number: int, params: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +112,7 @@ def create(session: Session, *, user: User, body: SweepCreate, settings: Setting
         id=uuid.uuid4().hex,
         name=body.name,
         owner_id=user.id,
-        state="running",
+        state=SweepState.RUNNING.value,
         spec=body.model_dump(mode="json"),
         created_at=utcnow(),
     )
@@ -115,27 +129,22 @@ def get_visible(session: Session, *, user: User, sweep_id: str) -> SweepRow:
     return sweep
 
 
-def _minimize(sweep: SweepRow) -> bool:
-    return bool(sweep.spec["objective"]["direction"] == "minimize")
-
-
 def present(session: Session, *, sweep: SweepRow, owner: str, steps: bool = True) -> Sweep:
     """The API's view of a sweep: its trials (with their objective's steps) and the best."""
-    metric = sweep.spec["objective"]["metric"]
+    spec = SweepCreate.model_validate(sweep.spec)
     trials: list[SweepTrial] = []
     rows = repository.trials(session, sweep_id=sweep.id)
     # The dashboard polls this while a sweep runs: every trial's series in one query.
     ids = [job.id for _trial, job in rows if job is not None] if steps else []
-    by_job = repository.series_of(session, job_ids=ids, name=metric)
+    by_job = repository.series_of(session, job_ids=ids, name=spec.objective.metric)
     for trial, job in rows:
-        status = trial.state if trial.state == "pruned" else (job.status if job else "failed")
         series = by_job.get(job.id, []) if (steps and job) else None
         trials.append(
             SweepTrial(
                 number=trial.number,
                 job_id=trial.job_id,
                 params=trial.params,
-                status=status,
+                status=status_of(job).value,
                 objective=trial.objective,
                 steps=series,
             )
@@ -143,7 +152,7 @@ def present(session: Session, *, sweep: SweepRow, owner: str, steps: bool = True
     done = [t for t in trials if t.objective is not None and t.status == JobStatus.SUCCEEDED.value]
     best = None
     if done:
-        pick = min if _minimize(sweep) else max
+        pick = min if spec.objective.direction == "minimize" else max
         top = pick(done, key=lambda t: t.objective or 0.0)
         assert top.objective is not None
         best = SweepBest(number=top.number, job_id=top.job_id, params=top.params, objective=top.objective)
@@ -151,8 +160,8 @@ def present(session: Session, *, sweep: SweepRow, owner: str, steps: bool = True
         id=sweep.id,
         name=sweep.name,
         owner=owner,
-        state=sweep.state,  # type: ignore[arg-type]
-        spec=SweepCreate.model_validate(sweep.spec),
+        state=SweepState(sweep.state),
+        spec=spec,
         trials=trials,
         best=best,
         created_at=sweep.created_at,
@@ -187,12 +196,12 @@ def cancel(session: Session, *, user: User, sweep_id: str) -> SweepRow:
     """Cancel a sweep: no new trials, and its queued and running trials are cancelled."""
     sweep = get_visible(session, user=user, sweep_id=sweep_id)
     sweep = repository.get(session, sweep_id=sweep.id, lock=True) or sweep
-    if sweep.state != "running":
+    if SweepState(sweep.state).is_terminal():
         return sweep
     for _trial, job in repository.trials(session, sweep_id=sweep.id):
         if job is not None and not JobStatus(job.status).is_terminal():
             jobs.cancel(session, user=user, job_id=job.id)
-    sweep.state = "cancelled"
-    sweep.finished_at = utcnow()
-    session.flush()
-    return sweep
+    return (
+        lifecycle.transition(session, sweep_id=sweep.id, src=SweepState.RUNNING, dst=SweepState.CANCELLED)
+        or sweep
+    )

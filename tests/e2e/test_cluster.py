@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dptrain.workdir import pack
+from service.config import Settings
 from tests.conftest import job_spec
 from tests.e2e.cluster import Cluster, running_cluster
 from tests.e2e.helpers import wait_for_terminal
@@ -158,6 +159,13 @@ def test_a_command_job_spans_two_nodes_and_trains_as_on_one(cluster: Cluster, tm
         digests[nodes] = [line for line in lines if line.startswith("params sha256")]
     placed = _placed_on(cluster, jobs[2]).removeprefix("placed on ").split(", ")
     assert len(placed) == 2, f"placed on two nodes, got {placed}"
+    # Root workers, sandboxed: both nodes' ranks run as the one uid placement gave the attempt, of
+    # the cluster's range (never nobody's).
+    logs = cluster.http.get(f"/v1/jobs/{jobs[2]}/logs", params={"limit": 10_000}).json()["items"]
+    said = {line["line"] for line in logs if " runs as uid " in line["line"]}
+    low, high = Settings().cluster_rank_uids
+    uids = {int(line.split()[5]) for line in said}
+    assert len(said) == 2 and len(uids) == 1 and low <= min(uids) <= high, f"one uid of {low}-{high}: {said}"
     assert digests[2] and digests[2] == digests[1], f"2 nodes x 1 rank vs 1 node x 2 ranks: {digests}"
 
 

@@ -65,6 +65,41 @@ class TestPlacement:
             lifecycle.transition(s, job_id=job_id, src=JobStatus.RUNNING, dst=JobStatus.FAILED)
         assert db.execute(select(func.count()).select_from(JobNode)).scalar() == 0
 
+    def test_each_running_multi_node_job_gets_one_uid_of_the_cluster_range_none_other_holds(
+        self, client: TestClient, sessions: sessionmaker[Session], db: Session, settings: Settings
+    ) -> None:
+        # A range of two uids: two two-node jobs run on four nodes, each with its own uid on every
+        # row; a third waits for a uid, saying so, and takes the one a finished job frees.
+        narrow = settings.model_copy(update={"cluster_rank_uid_range": "70100-70101"})
+        for name in "abcdef":
+            register_node(sessions, name=name, slots=1, address=f"10.0.0.{ord(name)}")
+        jobs = [client.post("/v1/jobs", json=_spec(f"wide-{i}", nodes=2)).json()["id"] for i in range(3)]
+        assert schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=narrow) == jobs[:2]
+        rows = db.execute(select(JobNode)).scalars().all()
+        uids = {job_id: {r.rank_uid for r in rows if r.job_id == job_id} for job_id in jobs[:2]}
+        assert all(len(u) == 1 for u in uids.values()), f"one uid on every node of a job: {uids}"
+        assert {u for (u,) in uids.values()} == {70100, 70101}, uids
+        waiting = client.get(f"/v1/jobs/{jobs[2]}").json()
+        assert waiting["status"] == "queued", waiting
+        assert "DPTRAIN_CLUSTER_RANK_UID_RANGE" in waiting["queued_reason"], waiting
+        # One job ends: its uid is free again, and the third job gets it.
+        (freed,) = uids[jobs[0]]
+        with sessions.begin() as s:
+            lifecycle.transition(s, job_id=jobs[0], src=JobStatus.RUNNING, dst=JobStatus.FAILED)
+        assert schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=narrow) == [
+            jobs[2]
+        ]
+        db.expire_all()
+        third = {r.rank_uid for r in db.execute(select(JobNode).where(JobNode.job_id == jobs[2])).scalars()}
+        assert third == {freed}, third
+        # A one-node job gets none: its node leases a uid of its own host's range.
+        one = client.post("/v1/jobs", json=_spec("narrow")).json()["id"]
+        assert schedule_once(sessions=sessions, dispatcher=RecordingDispatcher(), settings=narrow) == [one]
+        db.expire_all()
+        assert [r.rank_uid for r in db.execute(select(JobNode).where(JobNode.job_id == one)).scalars()] == [
+            None
+        ]
+
     def test_higher_priority_first_then_oldest(
         self, client: TestClient, sessions: sessionmaker[Session], settings: Settings
     ) -> None:

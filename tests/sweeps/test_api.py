@@ -110,12 +110,12 @@ def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones(
     c = trials(db, sweep["id"])[2]
     finish(sessions, c.job_id or "", [5.0, 4.0], end=False)
     driver.run_once(sessions=sessions, settings=settings)
-    c = trials(db, sweep["id"])[2]
-    assert c.state == "pruned"
     job = db.get(Job, c.job_id, populate_existing=True)
-    assert job is not None and job.cancel_requested  # stopped through the job's cancel path
+    # Stopped through the job's cancel path, flagged as the pruner's.
+    assert job is not None and job.cancel_requested and job.prune_requested
     shown = client.get(f"/v1/sweeps/{sweep['id']}").json()
-    assert shown["trials"][2]["status"] == "pruned" and shown["state"] == "running"  # its ranks not yet gone
+    # The trial is its job: running until its ranks are gone, and the sweep with it.
+    assert shown["trials"][2]["status"] == "running" and shown["state"] == "running"
     with sessions.begin() as session:
         # How its worker ends the stopped run (workers/attempts.py): pruned, not cancelled.
         dst, reason = lifecycle.end_of_cancelled_run(
@@ -258,8 +258,8 @@ def test_asha_prunes_a_trial_behind_at_its_rung_and_promotes_one_ahead(
     finish(sessions, c.job_id or "", [5.0], end=False)
     finish(sessions, d.job_id or "", [0.1], end=False)
     driver.run_once(sessions=sessions, settings=settings)
-    c, d = trials(db, sweep["id"])[2:]
-    assert (c.state, d.state) == ("pruned", "active")
+    stopped = {t.number: db.get(Job, t.job_id, populate_existing=True) for t in trials(db, sweep["id"])[2:]}
+    assert {n: j is not None and j.prune_requested for n, j in stopped.items()} == {2: True, 3: False}
 
 
 def test_a_later_trial_is_checked_as_its_own_submit_and_a_refusal_fails_the_sweep_saying_why(
@@ -331,3 +331,55 @@ def test_a_refusal_mid_round_also_cancels_the_trials_that_round_started(
     (first,) = trials(db, shown["id"])
     job = db.get(Job, first.job_id, populate_existing=True)
     assert job is not None and job.status == JobStatus.CANCELLED.value  # started this round, stopped too
+
+
+def test_a_trial_that_finishes_while_the_pruner_decides_keeps_its_objective(
+    client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session
+) -> None:
+    """Pruned-though-succeeded: the pruner stops a trial whose ranks are already past their last step."""
+    sweep = create(client, pruner={"type": "median", "n_startup_trials": 2}, max_trials=3)
+    driver.run_once(sessions=sessions, settings=settings)
+    a, b = trials(db, sweep["id"])
+    finish(sessions, a.job_id or "", [1.0, 0.5])
+    finish(sessions, b.job_id or "", [1.0, 0.4])
+    driver.run_once(sessions=sessions, settings=settings)
+    c = trials(db, sweep["id"])[2]
+    finish(sessions, c.job_id or "", [5.0, 4.0], end=False)
+    driver.run_once(sessions=sessions, settings=settings)  # the pruner asks c's job to stop
+    job = db.get(Job, c.job_id, populate_existing=True)
+    assert job is not None and job.cancel_requested and job.prune_requested
+    with sessions.begin() as session:
+        # Meanwhile c's ranks ran their last step, a good one, and the final checkpoint: its worker
+        # ends the run as every cancelled run that finished first ends (workers/attempts.py).
+        session.add(Metric(job_id=job.id, attempt=1, name=METRIC, step=3, value=0.1))
+        dst, reason = lifecycle.end_of_cancelled_run(
+            finished=True, pruned=lifecycle.prune_requested(session, job_id=job.id)
+        )
+        assert lifecycle.transition(session, job_id=job.id, src=JobStatus.RUNNING, dst=dst, reason=reason)
+    driver.run_once(sessions=sessions, settings=settings)
+    shown = client.get(f"/v1/sweeps/{sweep['id']}").json()
+    trial = shown["trials"][2]
+    assert (trial["status"], trial["objective"]) == ("succeeded", 0.1), trial
+    assert client.get(f"/v1/jobs/{job.id}").json()["status"] == "succeeded"
+    assert shown["state"] == "succeeded" and shown["best"]["number"] == 2, shown["best"]
+
+
+def test_a_trial_past_its_last_step_is_not_pruned(
+    client: TestClient, sessions: sessionmaker[Session], settings: Settings, db: Session
+) -> None:
+    """Stopping it would save nothing and could only race its final checkpoint (`pruned` at 4/4)."""
+    sweep = create(client, pruner={"type": "median", "n_startup_trials": 2}, max_trials=3)
+    driver.run_once(sessions=sessions, settings=settings)
+    a, b = trials(db, sweep["id"])
+    finish(sessions, a.job_id or "", [1.0, 0.5])
+    finish(sessions, b.job_id or "", [1.0, 0.4])
+    driver.run_once(sessions=sessions, settings=settings)
+    c = trials(db, sweep["id"])[2]
+    finish(sessions, c.job_id or "", [5.0, 4.0], end=False)
+    with sessions.begin() as session:
+        job = session.get(Job, c.job_id)
+        assert job is not None and job.total_steps is not None
+        job.step = job.total_steps  # its ranks ran every step; the final checkpoint is being written
+    driver.run_once(sessions=sessions, settings=settings)
+    job = db.get(Job, c.job_id, populate_existing=True)
+    assert job is not None and not job.cancel_requested, "a trial at its last step was asked to stop"

@@ -184,3 +184,54 @@ def test_a_released_uid_has_no_process_left_and_is_free_again(tmp_path: Path) ->
 def test_a_range_with_nobody_a_system_uid_or_no_order_is_refused(text: str) -> None:
     with pytest.raises(ValidationError, match="DPTRAIN_RANK_UID_RANGE"):
         Settings(rank_uid_range=text)
+
+
+def test_overlapping_host_and_cluster_ranges_are_refused() -> None:
+    with pytest.raises(ValidationError, match="must not overlap"):
+        Settings(rank_uid_range="70000-70999", cluster_rank_uid_range="70500-71500")
+    with pytest.raises(ValidationError, match="DPTRAIN_CLUSTER_RANK_UID_RANGE"):
+        Settings(cluster_rank_uid_range="65000-66000")
+
+
+def _sleep_as(uid: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["sleep", "600.418"], user=uid, group=uid, extra_groups=[], start_new_session=True
+    )
+
+
+def test_a_multi_node_uid_is_shared_by_its_nodes_on_one_host_and_ended_by_the_last(tmp_path: Path) -> None:
+    # Two nodes of one attempt on this host (as in small clusters) hold placement's uid together;
+    # another attempt waits for it; the last of the two to release ends what runs as it.
+    locks, within = tmp_path / "locks", (SPARE_UID, SPARE_UID)
+    first = rank_uids.acquire_shared(SPARE_UID, holder="job-a/1", within=within, lock_dir=locks)
+    second = rank_uids.acquire_shared(SPARE_UID, holder="job-a/1", within=within, lock_dir=locks)
+    first.own([_owned(tmp_path)])
+    shared = tmp_path / "checkpoints"
+    shared.mkdir()
+    second.own([shared])
+    for folder in (tmp_path / "owned", shared):
+        os.chown(folder, SPARE_UID, SPARE_UID)
+    sleeper = _sleep_as(SPARE_UID)
+    try:
+        with pytest.raises(rank_uids.NoFreeUid, match="still held"):
+            rank_uids.acquire_shared(SPARE_UID, holder="job-b/1", within=within, lock_dir=locks, wait_s=1)
+        rank_uids.release(first)
+        assert sleeper.poll() is None, "the other node's processes run on after the first node's release"
+        assert shared.stat().st_uid == SPARE_UID
+        rank_uids.release(second)
+        assert rank_uids.processes_of(SPARE_UID) == [], "the last release ends the uid's processes"
+        assert {p.stat().st_uid for p in (tmp_path / "owned", shared)} == {0}, (
+            "both nodes' folders taken back"
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            sleeper.kill()
+        sleeper.wait(timeout=10)
+    rank_uids.release(rank_uids.acquire_shared(SPARE_UID, holder="job-b/1", within=within, lock_dir=locks))
+
+
+def test_a_multi_node_uid_outside_the_cluster_range_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(rank_uids.NoFreeUid, match="outside this worker's DPTRAIN_CLUSTER_RANK_UID_RANGE"):
+        rank_uids.acquire_shared(SPARE_UID, holder="x/1", within=(70_000, 70_010), lock_dir=tmp_path)
+    with pytest.raises(rank_uids.NoFreeUid, match="belongs to a user or group"):
+        rank_uids.acquire_shared(NOBODY, holder="x/1", within=(NOBODY, NOBODY), lock_dir=tmp_path)
