@@ -7,7 +7,7 @@ those (`CXX=/bin/bash` with `BASH_ENV=$(...)`, `LD_PRELOAD`, `GCONV_PATH`, `OPEN
 of the user's choosing where only a built-in recipe or an allowed entrypoint was meant to run, or
 takes a resource the worker assigned to another job (`CUDA_VISIBLE_DEVICES`). The API refuses such
 names at submit (422 naming the variable) and the worker drops them again from a stored spec
-(workers/rank_env.py), so the rule lives here, once, for both.
+(workers/sandbox/rank_env.py), so the rule lives here, once, for both.
 
 The pattern is an allow-list: upper-case letters, digits and `_`, starting with a letter, at most
 128 characters. Upper case only, because several programs also read a lower-case twin

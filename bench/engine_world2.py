@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, Result, bench_env, cli, interleaved, ratio_of, result
-from workers.engine.launch import torchrun_command
+from workers.attempt.launch import torchrun_command
 
 BAR = 1.00
 BASELINE = ROOT / "bench" / "baselines" / "ddp_mlp.py"

@@ -36,7 +36,7 @@ from service.config import Settings
 from service.jobs import rollups_repository
 from service.models import Job
 from workers.engine.events import MetricsEvent
-from workers.reporting import Reporter
+from workers.reporting.reporter import Reporter
 
 INGEST_BAR = 10_000.0
 QUERY_BAR_MS = 100.0

@@ -1,9 +1,9 @@
 """`dptrain`: talk to the service (submit, status, list, cancel, logs, stacks, watch, download) or run it.
 
 Built on `dptrain.Client`. The client commands need only the light install (`pip install dptrain`);
-the server commands (api, worker, migrate, up, users) live in `dptrain_server`, which is loaded only
-when one of them is asked for (dptrain_cli/lazy.py); they import the server's modules when they run,
-and say which extra to install when those are missing.
+the server commands (api, worker, migrate, up, users) are found by entry point (dptrain_server
+registers them) and loaded only when one of them is asked for (dptrain_cli/lazy.py); they import
+the server's modules when they run, and say which extra to install when those are missing.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Server-side commands: api, worker, webhook-worker, migrate, the embedded `up`, and the `users` group.
+"""Server-side commands: api, worker, webhook-worker, migrate and the embedded `up` (`users` is users.py).
 
-Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch) itself: `dptrain
---help` lists these commands from this module, and on a client-only install it must still work, and
-a command run there must name the extra to install (dptrain_cli/extras.py).
+Each is an entry point of the group `dptrain.server_commands` (pyproject.toml), by which the `dptrain`
+program finds it. Each command imports the server's modules (FastAPI, SQLAlchemy, Celery, torch)
+itself: `dptrain --help` lists these commands from this module, and on a client-only install it
+must still work, and a command run there must name the extra to install (dptrain_cli/extras.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from rich.console import Console
 
 from dptrain.settings import DEFAULT_HOME, HOME_ENV, TOKEN_FILE
 from dptrain_cli.extras import installed, require
-from dptrain_server import users
 
 if TYPE_CHECKING:
     from service.config import Settings
@@ -98,9 +98,9 @@ def worker(
             installed("torch")  # the ranks import it: better said now than at the first job
         if device not in ("cpu", "cuda"):
             raise typer.BadParameter(f"device must be cpu, cuda or auto, not {device!r}")
-        from workers.celery_app import app as celery_app
-        from workers.heartbeat import node_slots
-        from workers.sandbox import SandboxUnavailable, check_at_start
+        from workers.node.celery_app import app as celery_app
+        from workers.node.heartbeat import node_slots
+        from workers.sandbox.bubblewrap import SandboxUnavailable, check_at_start
 
     try:
         # Probed once, for real, before the worker takes a job: a cluster worker never runs one unsandboxed
@@ -142,7 +142,7 @@ def webhook_worker(
     """Run the webhook worker: signed POSTs of job state changes, retried with backoff (docs/api.md)."""
     with require("server"):
         from service.config import get_settings
-        from workers.webhooks import create_app, sweep_thread, worker_argv
+        from service.webhooks.worker import create_app, sweep_thread, worker_argv
 
     settings = get_settings()
     # Its own process and queue: a slow or dead receiver never takes a thread a node's start needs.
@@ -186,7 +186,8 @@ def up(
     cores = os.cpu_count() or 1
     slots = slots or settings.node_slots or max(cores, UP_MIN_SLOTS)
     supervisor = Supervisor()
-    # Ranks beyond the cores share them; the worker gives them one thread each (workers/rank_setup.py).
+    # Ranks beyond the cores share them; the worker gives them one thread each
+    # (workers/sandbox/rank_setup.py).
     env = dict(os.environ)
     worker_args = ["worker", "--device", "cpu", "--slots", str(slots), "--embedded"]
     # Children stop in the reverse order of their start: the webhook sender first in, last out, so
@@ -225,12 +226,3 @@ def _redact(url: str) -> str:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
-
-
-app = typer.Typer(help="Run the service: its API, a worker node, its database, or all of it at once.")
-app.command()(api)
-app.command()(worker)
-app.command()(migrate)
-app.command()(up)
-app.command("webhook-worker")(webhook_worker)
-app.add_typer(users.app, name="users")

@@ -6,7 +6,7 @@ worker: the worker, and the ranks of its jobs, kept running under PID 1. So `up`
 itself. It starts the worker and the API as children, each in a session of its own (a Ctrl-C in
 the terminal reaches `up` alone, which stops them in order), handles SIGTERM and SIGINT itself,
 and stops the API first (nothing new is submitted or placed), then the worker (which stops its
-ranks and hands their attempts back, workers/runner.py), each with a bounded wait, then SIGKILLs
+ranks and hands their attempts back, workers/attempt/runner.py), each with a bounded wait, then SIGKILLs
 whatever of its descendants is left.
 
 A worker that dies while `up` is not stopping (an OOM kill, a crash) is started again after a

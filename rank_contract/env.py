@@ -1,7 +1,7 @@
 """The environment the worker sets for the ranks: every variable name, defined once.
 
 Torch-free and cheap to import: the Celery worker's runner builds the environment from these; the
-ranks' SDK (`dptrain`), the command wrapper (`workers.command_rank`) and the engine read it.
+ranks' SDK (`dptrain`), the command wrapper (`workers.command.main`) and the engine read it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ DATA_ROOT_ENV = "DPTRAIN_DATA_ROOT"
 # "pid:start time" of the process supervising the ranks (the worker's runner). Each rank exits when
 # it is gone: ranks of a SIGKILLed worker must not train on, writing checkpoints beside the next
 # attempt's, and torchrun runs in a session of its own, so the worker's death does not reach them.
-# workers.engine.launch writes and watches the value.
+# workers.engine.process writes and watches the value.
 SUPERVISOR_ENV = "DPTRAIN_SUPERVISOR"
 # The unpacked code tree of a job with uploaded code: an entrypoint's module must come from there.
 CODE_DIR_ENV = "DPTRAIN_CODE_DIR"
@@ -52,8 +52,8 @@ INIT_CHECKPOINT_ENV = "DPTRAIN_INIT_CHECKPOINT"
 # The worker's own setting, passed through to the ranks: the module prefixes an entrypoint may name
 # when the job uploaded no code (the engine checks it again where the code runs).
 ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
-# Set by the command wrapper (workers/command_rank.py) for its program alone: where dptrain's
-# start-up hook in the program's interpreter (workers/rank_hook/sitecustomize.py) writes the
+# Set by the command wrapper (workers/command/main.py) for its program alone: where dptrain's
+# start-up hook in the program's interpreter (workers/command/rank_hook/sitecustomize.py) writes the
 # exception that ended it, as JSON (type, message, traceback, rank).
 EXCEPTION_FILE_ENV = "DPTRAIN_EXCEPTION_FILE"
 

@@ -8,7 +8,7 @@ open. So each folder on the way is opened relative to the last one with O_NOFOLL
 too (a link anywhere fails the open: ELOOP or ENOTDIR), with O_NONBLOCK (a FIFO never holds the
 open); what was opened is checked on its fd (fstat), never again by its path; and readers read
 within a byte bound. One module does it for every reader and writer (docs/security.md, "What a job
-hands the worker"); it lives in rank_contract because the rank wrapper (workers/rank_failure.py)
+hands the worker"); it lives in rank_contract because the rank wrapper (workers/command/failure.py)
 uses it too, and imports only the standard library.
 
 Why not openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS): Python has no binding for it (a ctypes

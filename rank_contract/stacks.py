@@ -1,4 +1,6 @@
-"""What the ranks and the worker agree on so that the worker can read every rank's stack (workers/stacks.py).
+"""What the ranks and the worker agree on so that the worker can read every rank's stack.
+
+The worker reads them in workers/reporting/stacks.py.
 
 - A rank's number, from outside: a CPU engine rank is forked from the warm agent
   (workers/engine/agent.py), and the RANK torchrun sets in it never reaches /proc/PID/environ,

@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     max_output_bytes_per_job: int = Field(10 << 30, ge=1)
     max_output_files_per_job: int = Field(10_000, ge=1)
     # The most a job's checkpoint folder may hold (bytes, every entry: checkpoints, sidecars, temp
-    # files and whatever else its ranks put there; workers/checkpoint_cap.py), checked like the
+    # files and whatever else its ranks put there; workers/attempt/checkpoint_cap.py), checked like the
     # outputs: past it the job fails (CheckpointTooLarge, not retried), naming the size and the cap.
     max_checkpoint_bytes_per_job: int = Field(50 << 30, ge=1)
 
@@ -101,7 +101,7 @@ class Settings(BaseSettings):
     # Without DPTRAIN_RUN_AS, a root worker runs each attempt's sandboxed ranks (and its environment's
     # build) as a uid of its own, leased from this range ("first-last"; gid the same number) for the
     # attempt's life and free again once its processes are gone and its files are the worker's
-    # (workers/rank_uids.py, docs/security.md). The default lies above the 16-bit ids that
+    # (workers/sandbox/rank_uids.py, docs/security.md). The default lies above the 16-bit ids that
     # distributions, systemd's DynamicUser (61184-65519) and nobody (65534) use, and below useradd's
     # subordinate ids (100000 up); a container that maps only 65536 ids needs one below 65534.
     rank_uid_range: str = "65536-66559"
@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     # cluster, and each of its nodes leases that uid as above. Kept apart from DPTRAIN_RANK_UID_RANGE,
     # whose uids each host leases on its own; every API and worker process must agree on it.
     cluster_rank_uid_range: str = "66560-67583"
-    # Every attempt's ranks run in a bubblewrap sandbox (workers/sandbox.py, docs/security.md):
+    # Every attempt's ranks run in a bubblewrap sandbox (workers/sandbox/bubblewrap.py, docs/security.md):
     # `required` refuses to start a worker where bwrap or namespaces are missing; `auto` too, except
     # for `dptrain up`'s embedded worker, which then runs them unsandboxed with a warning; `off`
     # never sandboxes (the same warning). Either way each unsandboxed job's timeline says so.

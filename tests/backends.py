@@ -12,26 +12,24 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from migrations import upgrade
 from service.app import create_app
 from service.config import Settings
 from service.db import is_postgresql
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
+from tests.databases import migrated_sqlite
 
 BACKENDS = ["postgresql", "sqlite"]
 
 
 def sqlite_app_settings(tmp_path: Path, **overrides: Any) -> Settings:
     """Settings of the embedded service (`dptrain up`): SQLite, migrated."""
-    settings = Settings(
-        database_url=f"sqlite:///{tmp_path / 'dptrain.db'}",
+    return Settings(
+        database_url=migrated_sqlite(tmp_path / "dptrain.db"),
         broker_url="memory://",
         artifact_root=tmp_path / "artifacts",
         bootstrap_token=ADMIN_TOKEN,  # type: ignore[arg-type]
         **overrides,
     )
-    upgrade(settings.database_url)
-    return settings
 
 
 @contextmanager

@@ -23,9 +23,11 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.db import make_engine
+from tests.databases import clone_pg_template
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest_plugins = ["tests.api_fixtures", "tests.engine_fixtures", "tests.env_index"]
@@ -37,21 +39,15 @@ REDIS_URL = os.environ.get("DPTRAIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def create_database(prefix: str = "dptrain_test") -> str:
-    """A fresh, migrated PostgreSQL database; fails the test (never skips) if PostgreSQL is down."""
-    from migrations import upgrade
+    """A fresh, migrated PostgreSQL database; fails the test (never skips) if PostgreSQL is down.
 
+    A copy of the template the migrations built once (tests/databases.py), not a replay of them.
+    """
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:  # noqa: BLE001
+        return clone_pg_template(PG_ADMIN_URL, name)
+    except OperationalError as exc:
         pytest.fail(f"PostgreSQL is required at {PG_ADMIN_URL} and could not be reached: {exc}")
-    finally:
-        admin.dispose()
-    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-    upgrade(url)
-    return url
 
 
 def drop_database(url: str) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from rank_contract.layout import RunFiles
+from workers.attempt.launch import torchrun_command
 from workers.engine.checkpoint import checkpoint_name
-from workers.engine.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN_TIMEOUT_S = 120

@@ -63,6 +63,31 @@ def test_engine_is_pure_torch_distributed() -> None:
     assert bad == {}, f"the engine must not import {forbidden}: {bad}"
 
 
+NODE_SIDE = ("workers.node", "workers.attempt", "workers.sandbox", "workers.pyenv", "workers.reporting")
+
+
+def test_the_rank_side_imports_nothing_of_the_node_side() -> None:
+    # workers/engine and workers/command run inside a rank, in the sandbox: the node starts them by
+    # module path (torchrun's -m, --run-path), so nothing there may need the node's code, the
+    # service, its database or its broker, even in a function (a lazy import still runs in a rank).
+    def node_side(module: str) -> bool:
+        if _top(module) in {"service", "celery", "kombu", "sqlalchemy", "fastapi", "migrations"}:
+            return True
+        return any(module == side or module.startswith(side + ".") for side in NODE_SIDE)
+
+    bad = {
+        str(path.relative_to(ROOT)): sorted(m for m, _ in _scoped_imports(path) if node_side(m))
+        for side in ("engine", "command")
+        for path in (ROOT / "workers" / side).rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, f"rank-side code imports the node side: {bad}"
+    # Every file of workers/ is in a package of one side or the other: a new one must choose.
+    packages = {p.name for p in (ROOT / "workers").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == {"engine", "command"} | {s.split(".")[1] for s in NODE_SIDE}, packages
+    loose = sorted(p.name for p in (ROOT / "workers").glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"modules directly under workers/, on neither side: {loose}"
+
+
 def test_the_sdk_reaches_no_service_code() -> None:
     # User scripts import `dptrain` in the ranks: it must not pull in the service, its database or
     # broker clients (nor need them installed). What it shares with the worker lives in rank_contract.
@@ -80,31 +105,68 @@ def test_the_sdk_reaches_no_service_code() -> None:
     assert bad == {}, f"the SDK must not import {forbidden}: {bad}"
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """The packages a module imports outside any function, so on its own import."""
+# The ways code names a module for importing it by its name: importlib's and the builtin's.
+_IMPORTERS = frozenset({"import_module", "__import__", "find_spec", "module_from_spec", "import_string"})
+
+
+def _module_strings(path: Path) -> set[str]:
+    """Every module `path` imports: statements (in functions too) and constant names given to an importer.
+
+    A name held in a module-level constant (`PACKAGE = "x"; find_spec(PACKAGE)`) counts as well.
+    """
+    tree = ast.parse(path.read_text())
+    constants = {
+        target.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     found: set[str] = set()
-    todo: list[ast.AST] = [ast.parse(path.read_text())]
-    while todo:
-        node = todo.pop()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            todo.extend(ast.iter_child_nodes(node))
+            found.add(node.module)
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            arg = node.args[0]
+            if name in _IMPORTERS and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.add(arg.value)
+            elif name in _IMPORTERS and isinstance(arg, ast.Name) and arg.id in constants:
+                found.add(constants[arg.id])
     return found
 
 
-def test_the_cli_reaches_the_server_only_through_dptrain_server_on_demand() -> None:
-    # `pip install dptrain` is the client: its CLI package never imports the service or the worker,
-    # even inside a function; the server's commands live in dptrain_server, which the CLI loads
-    # only when one of them is asked for (dptrain_cli/lazy.py).
-    server = {"service", "workers"}
-    anywhere = {f: m & server for f, m in _imports(ROOT / "dptrain_cli").items() if m & server}
-    assert anywhere == {}, f"dptrain_cli must not import {server}: {anywhere}"
-    eager = [str(p.relative_to(ROOT)) for p in (ROOT / "dptrain_cli").rglob("*.py")]
-    eager = [f for f in eager if "dptrain_server" in _top_level_imports(ROOT / f)]
-    assert eager == [], f"dptrain_cli must import dptrain_server inside functions only: {eager}"
+def test_the_cli_imports_nothing_of_the_server_not_even_lazily() -> None:
+    # `pip install dptrain` is the client: its CLI package never imports the service, the worker or
+    # the server's commands, even inside a function or by a module's name in a string. It finds the
+    # server's commands by their entry points (dptrain_cli/lazy.py), which dptrain_server registers:
+    # every arrow between the two points from the server down to the client.
+    server = {"service", "workers", "dptrain_server", "migrations"}
+    bad = {
+        str(path.relative_to(ROOT)): sorted(m for m in _module_strings(path) if _top(m) in server)
+        for path in (ROOT / "dptrain_cli").rglob("*.py")
+    }
+    assert {f: m for f, m in bad.items() if m} == {}, f"dptrain_cli must not import {sorted(server)}"
+
+
+def test_the_server_commands_are_registered_where_the_cli_finds_them() -> None:
+    # The entry points of pyproject.toml name real commands of dptrain_server, and the ones the
+    # CLI discovers on this install are those (a stale editable install would list others).
+    from importlib.metadata import entry_points
+
+    from dptrain_cli.lazy import GROUP
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][GROUP]
+    assert all(v.startswith("dptrain_server.") for v in declared.values()), declared
+    installed = {ep.name: ep.value for ep in entry_points(group=GROUP)}
+    assert installed == declared, f"reinstall (make setup): installed {installed}, declared {declared}"
+    for name in declared:
+        assert callable(entry_points(group=GROUP)[name].load()), name
 
 
 def test_api_schemas_import_only_pydantic() -> None:
@@ -129,7 +191,8 @@ def test_the_worker_process_never_imports_torch() -> None:
     # The Celery worker only supervises torchrun: the events and checkpoint names it shares with the
     # ranks live in torch-free modules (workers/engine/events.py, checkpoint.py's lazy import).
     code = (
-        "import sys, workers.celery_app, workers.tasks, workers.reconciler, workers.heartbeat; "
+        "import sys, workers.node.celery_app, workers.node.tasks, workers.node.reconciler, "
+        "workers.node.heartbeat; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -249,7 +312,7 @@ def _imported_modules(path: Path, module: str, files: dict[str, Path]) -> set[st
 
 def test_no_import_cycles_between_our_files() -> None:
     # Every import counts, a type-only one too: a cycle couples its files whichever way it is written,
-    # and the fix is a module below both (workers/node_run.py, api_schemas/base.py).
+    # and the fix is a module below both (workers/attempt/node_run.py, api_schemas/base.py).
     files = _module_files(_our_top_level_packages())
     graph = {module: _imported_modules(path, module, files) for module, path in files.items()}
     reach: dict[str, set[str]] = {}
@@ -427,6 +490,229 @@ class TestTheLayoutRule:
             s for s in segments if s not in layout.NAMES and not any(t.fullmatch(s) for t in templates)
         }
         assert unnamed == set(), f"names the layout makes that the rule does not know: {unnamed}"
+
+
+# The submit gate (service/jobs/submit.py): what every new job must pass is decided there, once.
+GATE_MODULE = "service.jobs.submit"
+GATE = f"{GATE_MODULE}:gate"
+JOB_INSERT = "service.jobs.repository:insert_job"
+# What the gate composes: called from anywhere else, a caller could run part of it and skip the rest.
+GATE_PARTS = {
+    "service.scheduling.queue:check_priority",
+    "service.scheduling.queue:check_queue_cap",
+    "service.jobs.init_from:row_values",
+}
+GATE_PART_MODULES = {"service.jobs.policy"}
+
+
+def _aliases(tree: ast.Module, module: str, sources: dict[str, str]) -> dict[str, str]:
+    """Each name `module`'s imports bind: to a module of `sources`, or to `module:name` imported from one."""
+    # The package a relative import starts from: the module itself when it is a package (an __init__).
+    is_package = any(other.startswith(module + ".") for other in sources)
+    package = module if is_package else module.rpartition(".")[0]
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parts, *([base] if base else [])])
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                aliases[a.asname or a.name] = full if full in sources else f"{base}:{a.name}"
+    return aliases
+
+
+def _resolve(
+    node: ast.expr, *, module: str, aliases: dict[str, str], own: set[str], sources: set[str]
+) -> str | None:
+    """The function of ours (`module:name`) that a name or dotted name refers to, if one."""
+    chain: list[str] = []
+    while isinstance(node, ast.Attribute):
+        chain.insert(0, node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    head = aliases.get(node.id)
+    if head is None:
+        return f"{module}:{node.id}" if node.id in own and not chain else None
+    if ":" in head:
+        return None if chain else head
+    # A module: `repository.insert_job`, or `service.jobs.repository.insert_job` after `import service...`.
+    owner = ".".join([head, *chain[:-1]])
+    return f"{owner}:{chain[-1]}" if chain and owner in sources else None
+
+
+def _references(sources: dict[str, str]) -> dict[str, set[str]]:
+    """For each function of `sources` (`module:name`, `module:Class.name`), every function of ours it names.
+
+    A name counts whether called or passed along (a callback runs it too); a nested function's
+    names count for the function around it. Resolved through each module's imports, relative ones
+    included; a name not resolved to one of `sources` (the standard library, a method on an
+    object) is left out.
+    """
+    found: dict[str, set[str]] = {}
+    for module, text in sources.items():
+        tree = ast.parse(text)
+        aliases = _aliases(tree, module, sources)
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+        own = {n.name for n in tree.body if isinstance(n, (*defs, ast.ClassDef))}
+
+        def named(
+            body: ast.AST, module: str = module, aliases: dict[str, str] = aliases, own: set[str] = own
+        ) -> set[str]:
+            loads = [
+                n
+                for n in ast.walk(body)
+                if isinstance(n, (ast.Name, ast.Attribute)) and isinstance(n.ctx, ast.Load)
+            ]
+            names = (
+                _resolve(n, module=module, aliases=aliases, own=own, sources=set(sources)) for n in loads
+            )
+            return {n for n in names if n is not None}
+
+        for node in tree.body:
+            if isinstance(node, defs):
+                found[f"{module}:{node.name}"] = named(node)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, defs):
+                        found[f"{module}:{node.name}.{item.name}"] = named(item)
+    return found
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), set()) - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def submit_gate_violations(sources: dict[str, str]) -> list[str]:
+    """Every breach of the submit gate's rules in `sources` (module name -> source text), as sentences."""
+    graph = _references(sources)
+    found: list[str] = []
+    for fn, names in sorted(graph.items()):
+        module = fn.split(":")[0]
+        if JOB_INSERT in names and module != GATE_MODULE:
+            found.append(f"{fn} inserts a job row: only {GATE_MODULE} may (through its gate)")
+        elif JOB_INSERT in names and GATE not in names:
+            found.append(f"{fn} inserts a job row without asking {GATE} first")
+        parts = {n for n in names if n in GATE_PARTS or n.split(":")[0] in GATE_PART_MODULES}
+        if parts and module not in {GATE_MODULE, *GATE_PART_MODULES}:
+            found.append(
+                f"{fn} runs part of the submit gate itself ({', '.join(sorted(parts))}): call {GATE}"
+            )
+    return found
+
+
+def _our_sources() -> dict[str, str]:
+    files = _module_files(_our_top_level_packages())
+    return {module: path.read_text() for module, path in files.items()}
+
+
+def test_only_the_submit_gate_inserts_jobs_and_nothing_else_runs_its_parts() -> None:
+    found = submit_gate_violations(_our_sources())
+    assert found == [], "\n".join(found)
+
+
+def test_every_way_a_job_is_made_goes_through_the_gate() -> None:
+    # The routes and the driver that make jobs, found by what they reach: each reaches the gate, and
+    # whatever reaches the insert is among them (a new way to make a job shows up here).
+    graph = _references(_our_sources())
+    makers = {"service.jobs.router:submit_job", "service.sweeps.driver:run_once"}
+    checked = {"service.sweeps.router:create_sweep"}  # a sweep's submit makes no job yet: it asks the gate
+    for fn in sorted(makers | checked):
+        assert fn in graph, f"{fn} is gone: say here what makes jobs now"
+        assert GATE in _reaches(graph, fn), f"{fn} never reaches {GATE}"
+    entry_points = {fn for fn in graph if fn.split(":")[0].endswith("router")} | {
+        "service.sweeps.driver:run_once"
+    }
+    inserting = {fn for fn in entry_points if JOB_INSERT in _reaches(graph, fn)}
+    assert inserting == makers, f"routes that insert jobs: {sorted(inserting)}, expected {sorted(makers)}"
+
+
+def test_the_gate_takes_the_settings_always() -> None:
+    # `settings=None` used to mean "skip the server's checks": no argument of the gate may skip any.
+    import inspect
+
+    from service.jobs import submit
+
+    for fn in (submit.gate, submit.submit):
+        settings = inspect.signature(fn).parameters["settings"]
+        assert settings.kind is inspect.Parameter.KEYWORD_ONLY and settings.default is inspect.Parameter.empty
+        assert settings.annotation == "Settings", f"{fn.__name__}'s settings: {settings.annotation}"
+
+
+class TestTheSubmitGateChecker:
+    """The checker above finds what it is there to find, in small sources written to break a rule."""
+
+    REPOSITORY = "def insert_job(session, *, values): ...\n"
+    POLICY = "def check_user_code(session, *, user, spec, settings): ...\n"
+    GATE_SOURCE = (
+        "from service.jobs import policy, repository\n"
+        "def gate(session, *, user, spec, settings):\n"
+        "    policy.check_user_code(session, user=user, spec=spec, settings=settings)\n"
+        "def submit(session, *, user, spec, settings):\n"
+        "    gate(session, user=user, spec=spec, settings=settings)\n"
+        "    return repository.insert_job(session, values={})\n"
+    )
+
+    def sources(self, **extra: str) -> dict[str, str]:
+        return {
+            "service.jobs.repository": self.REPOSITORY,
+            "service.jobs.policy": self.POLICY,
+            GATE_MODULE: self.GATE_SOURCE,
+            **{name.replace("__", "."): text for name, text in extra.items()},
+        }
+
+    def test_a_house_that_keeps_the_rules_passes(self) -> None:
+        router = (
+            "from service.jobs import submit\n"
+            "def submit_job(s, u, spec, st):\n"
+            "    submit.submit(s, user=u, spec=spec, settings=st)\n"
+        )
+        sources = self.sources(service__jobs__router=router)
+        assert submit_gate_violations(sources) == []
+        assert GATE in _reaches(_references(sources), "service.jobs.router:submit_job")
+
+    def test_an_insert_outside_the_gate_module_is_found_however_imported(self) -> None:
+        for text in (
+            "from service.jobs import repository\ndef start(s):\n    repository.insert_job(s, values={})\n",
+            "from service.jobs.repository import insert_job as put\ndef start(s):\n    put(s, values={})\n",
+            "import service.jobs.repository\ndef start(s):\n    service.jobs.repository.insert_job(s)\n",
+            "from ..jobs import repository as r\ndef start(s):\n    run(r.insert_job)\n",
+        ):
+            found = submit_gate_violations(self.sources(service__sweeps__driver=text))
+            assert found == [
+                f"service.sweeps.driver:start inserts a job row: only {GATE_MODULE} may (through its gate)"
+            ], text
+
+    def test_an_insert_in_the_gate_module_that_skips_the_gate_is_found(self) -> None:
+        sneaky = (
+            self.GATE_SOURCE + "def quick(session):\n    return repository.insert_job(session, values={})\n"
+        )
+        found = submit_gate_violations({**self.sources(), GATE_MODULE: sneaky})
+        assert found == [f"{GATE_MODULE}:quick inserts a job row without asking {GATE} first"]
+
+    def test_a_caller_running_a_check_of_the_gate_itself_is_found(self) -> None:
+        router = (
+            "from service.jobs import policy\n"
+            "async def submit_job(s, u, spec, st):\n"
+            "    def accept(s):\n"
+            "        policy.check_user_code(s, user=u, spec=spec, settings=st)\n"
+            "    return accept(s)\n"
+        )
+        found = submit_gate_violations(self.sources(service__jobs__router=router))
+        assert found == [
+            "service.jobs.router:submit_job runs part of the submit gate itself "
+            f"(service.jobs.policy:check_user_code): call {GATE}"
+        ]
 
 
 def test_sweeps_never_write_a_trials_status() -> None:

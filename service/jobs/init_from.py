@@ -5,8 +5,8 @@ pruning unlinks), so a second name for the inode is an immutable copy that costs
 time, and survives the source's keep_last pruning and the removal of its folder. The link lives in
 the new job's own folder (`jobs/<id>/init/`, rank_contract.layout's `JobFiles.init`), with the
 checkpoint's sidecars, and the sha256 the source recorded is kept on the new job: its attempts
-verify the file against it before the first step (workers/init_checkpoint.py). A copy is made only
-where a link cannot be (another file system).
+verify the file against it before the first step (workers/attempt/init_checkpoint.py). A copy is
+made only where a link cannot be (another file system).
 
 The source file is the source job's checkpoint of that step in its own folder, opened there with
 no link followed (service.jobs.checkpoint_files), never the path its row holds; the link is made

@@ -43,7 +43,7 @@ from service.errors import (
     invalid_field,
 )
 from service.etag import conditional, conditional_json
-from service.jobs import events, metrics_repository, policy, repository, service
+from service.jobs import events, metrics_repository, repository, service, submit
 from service.jobs.checkpoint_files import open_checkpoint
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job as JobRow
@@ -59,14 +59,8 @@ _REPLAY: dict[int | str, dict[str, object]] = {
 
 
 async def _env_grant(request: Request, user: CurrentUser, settings: SettingsDep) -> None:
-    # A dependency, so it runs before the body's own rules: a user who may not set `env` (or
-    # `environment`) at all hears that (403), not which names or requirements the spec refuses. The
-    # policy checks the validated spec again.
-    body = parsed_body(request)
-    if isinstance(body, dict) and body.get("env"):
-        policy.check_env_grant(user)
-    if isinstance(body, dict) and body.get("environment") is not None:
-        policy.check_environment_grant(user, settings)
+    # A dependency, so that the gate's grant checks run before the body's own rules (see refuse_early).
+    submit.refuse_early(parsed_body(request), user=user, settings=settings)
 
 
 @router.post(
@@ -97,15 +91,7 @@ async def submit_job(
     """Submit a job; it is queued, and placement starts it on free nodes once committed."""
 
     def accept(session: Session) -> tuple[JobRow, bool, int | None]:
-        # Every rule of the spec itself ran when FastAPI validated it; this server's code policy is left.
-        policy.check_user_code(session, user=user, spec=spec, settings=settings)
-        policy.check_data_paths(spec=spec, settings=settings)
-        if idempotency_key is None:
-            job, created = service.submit(session, user=user, spec=spec, settings=settings), True
-        else:
-            job, created = service.submit_once(
-                session, user=user, spec=spec, key=idempotency_key, settings=settings
-            )
+        job, created = submit.submit(session, user=user, spec=spec, settings=settings, key=idempotency_key)
         if created:
             after_commit(session, scheduler.kick)
         return job, created, service.queue_position(session, job=job)

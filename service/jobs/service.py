@@ -1,10 +1,10 @@
-"""The rules of the jobs domain: submission, visibility, cancellation. Services only flush."""
+"""The rules of the jobs domain: visibility, presentation, cancellation. Services only flush.
+
+A submit's rules are the submit gate's (service/jobs/submit.py).
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -18,32 +18,28 @@ from api_schemas import (
     Job,
     JobError,
     JobList,
-    JobSpec,
     JobStatus,
     Progress,
     Timeline,
     Transition,
 )
-from service.config import Settings
-from service.errors import Conflict, InvalidTransition, NotFound
+from service.errors import InvalidTransition, NotFound
 from service.etag import etag_of_version
-from service.jobs import init_from, lifecycle, repository, stored
+from service.jobs import lifecycle, repository, stored
 from service.jobs.stored import INVALID_SPEC
 from service.models import Checkpoint, User
 from service.models import Job as JobRow
 from service.scheduling import queue
-from service.scheduling import service as scheduling
-from service.scheduling.placement import Pending
 
 
-def _visible_owner(user: User) -> int | None:
-    # Admins see every job; everyone else only their own.
+def visible_owner(user: User) -> int | None:
+    """The owner whose jobs `user` may see (and start from): None for an admin, who sees every job."""
     return None if user.is_admin else user.id
 
 
 def can_see(user: User, *, owner_id: int) -> bool:
     """Whether `user` may see a job of `owner_id` (what `get_visible` checks in its query)."""
-    return _visible_owner(user) in (None, owner_id)
+    return visible_owner(user) in (None, owner_id)
 
 
 def to_schema(job: JobRow, *, owner: str, position: int | None = None) -> Job:
@@ -93,141 +89,9 @@ def _init_checkpoint(job: JobRow) -> InitCheckpoint | None:
     return InitCheckpoint(job=job.init_job, step=job.init_step, sha256=job.init_sha256)
 
 
-def _stored(spec: JobSpec) -> dict[str, Any]:
-    stored = spec.model_dump(mode="json")
-    # Store every effective hyperparameter, recipe extras' defaults included, so the spec a job
-    # shows is exactly what ran, whatever later versions choose as defaults. (A command's are only
-    # those the user sent: it uses none of the defaults, see JobSpec's serializer.)
-    if (params := spec.recipe_params()) is not None:
-        stored["hyperparameters"].update(params.model_dump(mode="json"))
-    return stored
-
-
-def _row_values(session: Session, *, user: User, spec: JobSpec, settings: Settings | None) -> dict[str, Any]:
-    stored = _stored(spec)
-    job_id = uuid.uuid4().hex
-    queue.check_priority(user=user, spec=spec)
-    never = None
-    if settings is not None:
-        # Said in the submit's answer at once, rather than only after the next placement round.
-        needs = spec.resources
-        pending = Pending(
-            job_id=job_id,
-            owner_id=user.id,
-            device=needs.device,
-            nodes=needs.nodes,
-            processes_per_node=needs.processes_per_node,
-        )
-        never = scheduling.unplaceable_reason(session, job=pending, settings=settings)
-    return {
-        **_init_values(session, user=user, spec=spec, job_id=job_id, settings=settings),
-        "id": job_id,
-        "name": spec.name,
-        "owner_id": user.id,
-        "status": JobStatus.QUEUED.value,
-        "spec": stored,
-        "priority": spec.priority,
-        "device": spec.resources.device,
-        "fair_key": queue.fair_key(session, user=user, spec=spec),
-        "labels": dict(spec.labels),
-        "total_steps": spec.progress_total,
-        "max_restarts": spec.max_restarts,
-        "latest_metrics": {},
-        "unplaceable": never is not None,
-        "queued_reason": never,
-    }
-
-
-def _init_values(
-    session: Session, *, user: User, spec: JobSpec, job_id: str, settings: Settings | None
-) -> dict[str, Any]:
-    """The new job's init_* columns (service/jobs/init_from.py): 404 for a source the user may not see."""
-    if spec.init_from is None:
-        return {}
-    if settings is None:
-        raise ValueError("init_from needs the service's settings (the artifact root its pin goes under)")
-    return init_from.row_values(
-        session,
-        owner_id=_visible_owner(user),
-        init=spec.init_from,
-        job_id=job_id,
-        artifacts=settings.artifacts,
-    )
-
-
-def _pin(session: Session, *, job: JobRow, settings: Settings | None) -> None:
-    if settings is not None:
-        init_from.pin_for(session, job=job, artifacts=settings.artifacts)
-
-
-def spec_hash(stored: dict[str, Any]) -> str:
-    """sha256 of a spec's canonical JSON as stored, so equal specs hash equal however written."""
-    canonical = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def submit(session: Session, *, user: User, spec: JobSpec, settings: Settings | None = None) -> JobRow:
-    """Record a new queued job (the caller kicks placement once the transaction has committed)."""
-    # With `settings` (the API always passes them) a job that no set of live nodes could ever hold
-    # is recorded unplaceable at once (without them, placement's next round finds it so), and the
-    # owner's queued-jobs cap holds. Forbidden above the user's priority ceiling either way.
-    job, _ = _insert(session, values=_row_values(session, user=user, spec=spec, settings=settings))
-    assert job is not None
-    if settings is not None:
-        queue.check_queue_cap(session, user=user, settings=settings)
-    _pin(session, job=job, settings=settings)
-    return job
-
-
-def submit_once(
-    session: Session, *, user: User, spec: JobSpec, key: str, settings: Settings | None = None
-) -> tuple[JobRow, bool]:
-    """Submit under an `Idempotency-Key`: (job, True) if created now, (the earlier job, False) on a replay.
-
-    The unique (owner_id, idempotency_key) decides, not a read-then-write: of concurrent retries one
-    insert wins, the others wait for it to commit and then read it. Conflict if the key was used
-    with another spec. A replay answers the earlier job as it is now (its `unplaceable` included).
-    """
-    if spec.init_from is not None:
-        # A replay answers the earlier job even once the source's checkpoint is pruned or the source
-        # is no longer readable: look first (the unique constraint still decides between racers).
-        earlier = repository.by_idempotency_key(session, owner_id=user.id, key=key)
-        if earlier is not None:
-            return _replayed(earlier, key=key, request_hash=spec_hash(_stored(spec))), False
-    values = _row_values(session, user=user, spec=spec, settings=settings)
-    values |= {"idempotency_key": key, "request_hash": spec_hash(values["spec"])}
-    job, created = _insert(session, values=values)
-    if created and settings is not None:
-        # A replay adds no job, so only a job created now counts against the cap.
-        queue.check_queue_cap(session, user=user, settings=settings)
-    if created:
-        assert job is not None
-        _pin(session, job=job, settings=settings)
-    if job is None:
-        job = repository.by_idempotency_key(session, owner_id=user.id, key=key)
-        if job is None:  # the winner rolled back after all: never happens without a crash; retry
-            raise Conflict(f"a submit with Idempotency-Key {key!r} is in flight; retry")
-    return _replayed(job, key=key, request_hash=values["request_hash"]), created
-
-
-def _replayed(job: JobRow, *, key: str, request_hash: str) -> JobRow:
-    if job.request_hash != request_hash:
-        raise Conflict(f"Idempotency-Key {key!r} was already used for job {job.id} with another spec")
-    return job
-
-
-def _insert(session: Session, *, values: dict[str, Any]) -> tuple[JobRow | None, bool]:
-    job = repository.insert_job(session, values=values)
-    if job is None:
-        return None, False
-    lifecycle.record_created(session, job=job)
-    session.flush()
-    return job, True
-
-
 def get_visible(session: Session, *, user: User, job_id: str) -> JobRow:
     """A job the user may see, or NotFound (never revealing that another's job exists)."""
-    job = repository.get(session, job_id=job_id, owner_id=_visible_owner(user))
+    job = repository.get(session, job_id=job_id, owner_id=visible_owner(user))
     if job is None:
         raise NotFound(f"job {job_id!r} not found")
     return job
@@ -235,7 +99,7 @@ def get_visible(session: Session, *, user: User, job_id: str) -> JobRow:
 
 def get_visible_with_owner(session: Session, *, user: User, job_id: str) -> tuple[JobRow, str, int | None]:
     """A job the user may see, its owner's name and its queue position (one query), or NotFound."""
-    found = repository.get_with_owner_name(session, job_id=job_id, owner_id=_visible_owner(user))
+    found = repository.get_with_owner_name(session, job_id=job_id, owner_id=visible_owner(user))
     if found is None:
         raise NotFound(f"job {job_id!r} not found")
     return found
@@ -295,7 +159,7 @@ def list_jobs(
         updated_since = updated_since.replace(tzinfo=UTC)  # a time without offset means UTC
     rows = repository.list_page(
         session,
-        owner_id=_visible_owner(user),
+        owner_id=visible_owner(user),
         limit=limit + 1,
         after=after,
         status=status,

@@ -1,8 +1,8 @@
 """Stacks of a running job's ranks on demand: recorded as a request, answered from what its workers store.
 
 The API cannot reach a worker's processes, so a request goes through the database like a cancel:
-the runner's report loop reads it each flush (workers/reporting.py), dumps its node's ranks with
-py-spy (workers/stacks.py) and stores the dump (service/jobs/stacks_repository.py).
+the runner's report loop reads it each flush (workers/reporting/reporter.py), dumps its node's ranks with
+py-spy (workers/reporting/stacks.py) and stores the dump (service/jobs/stacks_repository.py).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     attempt: Mapped[int] = mapped_column(default=0)
     # The last attempt that may still be restarted: the spec's max_restarts, plus one for each attempt
-    # its worker's shutdown ended (workers/attempts.py: not counted against the job).
+    # its worker's shutdown ended (workers/attempt/end.py: not counted against the job).
     max_restarts: Mapped[int] = mapped_column(default=0)
     step: Mapped[int] = mapped_column(default=0)
     # NULL: a command that set no `hyperparameters.steps` (its progress is the last reported step).

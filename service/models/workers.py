@@ -26,7 +26,7 @@ class Worker(Base):
     slots: Mapped[int]
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
-    # The job environments this node has cached (workers/environments.cached), as of its last beat.
+    # The job environments this node has cached (workers/pyenv/environments.cached), as of its last beat.
     environments: Mapped[list[dict[str, Any]] | None] = mapped_column(default=None)
 
 

@@ -186,7 +186,7 @@ def _free_uid(uids: set[int], *, settings: Settings) -> int | None:
     low, high = settings.cluster_rank_uids
     count = high - low + 1
     # From anywhere in the range: a uid just freed (its last node may still be ending its lease,
-    # workers/rank_uids.py) is then seldom the next one given.
+    # workers/sandbox/rank_uids.py) is then seldom the next one given.
     start = random.randrange(count)
     for i in range(count):
         if (uid := low + (start + i) % count) not in uids:

@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobSpec, JobStatus, SweepCreate, SweepState
 from service.config import Settings
 from service.errors import ServiceError
-from service.jobs import policy
 from service.jobs import repository as job_repository
 from service.jobs import service as jobs
+from service.jobs import submit
 from service.models import Job, SweepTrial, User
 from service.models import Sweep as SweepRow
 from service.scheduling.queue import QueueFull
@@ -33,7 +33,7 @@ from service.sweeps.study import Study, Trial
 log = logging.getLogger(__name__)
 
 
-def tick(session: Session, *, sweep_id: str, settings: Settings | None) -> int:
+def tick(session: Session, *, sweep_id: str, settings: Settings) -> int:
     """One round of one sweep (the caller commits): record, prune, then start trials; how many started."""
     sweep = repository.get(session, sweep_id=sweep_id, lock=True)
     if sweep is None or SweepState(sweep.state) is not SweepState.RUNNING:
@@ -117,7 +117,7 @@ def _start(
     owner: User,
     study: Study,
     number: int,
-    settings: Settings | None,
+    settings: Settings,
 ) -> bool:
     """Ask Optuna for trial `number` and submit its job as the owner; False if the owner's limits say wait.
 
@@ -135,11 +135,8 @@ def _start(
         ) from None
     try:
         with session.begin_nested():
-            if settings is not None:
-                policy.check_user_code(session, user=owner, spec=spec, settings=settings)
-                policy.check_data_paths(spec=spec, settings=settings)
-            job, _ = jobs.submit_once(
-                session, user=owner, spec=spec, key=f"sweep:{sweep.id}:{number}", settings=settings
+            job, _ = submit.submit(
+                session, user=owner, spec=spec, settings=settings, key=f"sweep:{sweep.id}:{number}"
             )
             repository.add_trial(
                 session, trial=SweepTrial(sweep_id=sweep.id, number=number, job_id=job.id, params=params)
@@ -169,7 +166,7 @@ def _fail(session: Session, *, sweep: SweepRow, owner: User, error: str) -> None
     session.flush()
 
 
-def run_once(*, sessions: sessionmaker[Session], settings: Settings | None) -> bool:
+def run_once(*, sessions: sessionmaker[Session], settings: Settings) -> bool:
     """One round over every running sweep, each in its own transaction; True if any job was submitted."""
     with sessions() as session:
         ids = repository.running_ids(session)

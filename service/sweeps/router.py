@@ -19,7 +19,10 @@ SweepId = Annotated[Text, Path(max_length=32, description="The sweep's id.")]
 
 
 @router.post(
-    "", status_code=status.HTTP_201_CREATED, response_model=Sweep, responses=error_responses(Forbidden)
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=Sweep,
+    responses=error_responses(Forbidden, NotFound),
 )
 def create_sweep(
     body: SweepCreate, session: SessionDep, user: CurrentUser, settings: SettingsDep, scheduler: SchedulerDep

@@ -21,12 +21,11 @@ from api_schemas import (
 )
 from service.config import Settings
 from service.errors import NotFound, invalid_field
-from service.jobs import policy
 from service.jobs import service as jobs
+from service.jobs import submit
 from service.models import Job, User
 from service.models import Sweep as SweepRow
 from service.models.base import utcnow
-from service.scheduling import queue
 from service.sweeps import lifecycle, repository, space
 
 
@@ -82,22 +81,19 @@ def check(session: Session, *, user: User, body: SweepCreate, row: SweepRow, set
             None,
         )
     paths = list(body.space)
-    # The server's rules on code, `env`, `environment` and data: on the base, and on each distinct
-    # setting of the paths outside the hyperparameters (an `env.X` or `entrypoint` choice), which
-    # alone can change their answer.
-    policy.check_user_code(session, user=user, spec=base, settings=settings, code_at=_code_loc(paths))
-    policy.check_data_paths(spec=base, settings=settings)
+    # The submit gate on the base, and on each distinct setting of the paths outside the
+    # hyperparameters (an `env.X`, `entrypoint` or `priority` choice), which alone can change its
+    # answer: a trial the sweep would start is refused now, for the reason its own submit would be.
+    code_at = _code_loc(paths)
+    submit.gate(session, user=user, spec=base, settings=settings, code_at=code_at)
     beyond = [i for i, path in enumerate(paths) if not path.startswith("hyperparameters.")]
     checked: set[str] = set()
     for combo in space.points(body.space):
         spec = _check_point(row, dict(zip(paths, combo, strict=True)))
-        # A trial's submit would refuse a priority above the owner's ceiling; say so now.
-        queue.check_priority(user=user, spec=spec)
         setting = json.dumps([combo[i] for i in beyond])
         if beyond and setting not in checked:
             checked.add(setting)
-            policy.check_user_code(session, user=user, spec=spec, settings=settings, code_at=_code_loc(paths))
-            policy.check_data_paths(spec=spec, settings=settings)
+            submit.gate(session, user=user, spec=spec, settings=settings, code_at=code_at)
 
 
 def _code_loc(paths: list[str]) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ LISTED = [
     *("TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TORCH_HOME", "TRITON_PTXAS_PATH"),
     *("CUDA_VISIBLE_DEVICES", "CUDA_HOME", "NCCL_NET_PLUGIN", "NCCL_DEBUG_FILE", "NCCL_SOCKET_IFNAME"),
     *("DPTRAIN_DATA_ROOT", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
-    # Where a rank's exception is recorded (workers/rank_failure.py): a job must not point them elsewhere.
+    # Where a rank's exception is recorded (workers/command/failure.py): a job must not point them elsewhere.
     *("DPTRAIN_EXCEPTION_FILE", "TORCHELASTIC_ERROR_FILE"),
 ]
 # Refused by the pattern itself: lower case (a twin some programs read), a leading `_`

@@ -48,7 +48,7 @@ def _without(monkeypatch: pytest.MonkeyPatch, importing: str, missing: str) -> N
         (["api"], "uvicorn", "uvicorn", "server"),
         (["migrate"], "migrations", "alembic", "server"),
         (["users", "create", "alice"], "service.errors", "sqlalchemy", "server"),
-        (["worker", "--device", "cpu"], "workers.celery_app", "celery", "worker"),
+        (["worker", "--device", "cpu"], "workers.node.celery_app", "celery", "worker"),
         (["up"], "service.config", "pydantic_settings", "all"),
     ],
     ids=["api", "migrate", "users", "worker", "up"],

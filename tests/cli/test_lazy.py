@@ -1,4 +1,4 @@
-"""The server's commands in `dptrain`: listed with the client's, loaded from dptrain_server when asked for."""
+"""The server's commands in `dptrain`: found by entry point, listed with the client's, loaded when asked."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dptrain_cli.lazy import SERVER_COMMANDS
+from dptrain_cli.lazy import SERVER_EXTRA, server_commands
 from tests.cli.conftest import dptrain, flat
 
 
@@ -31,18 +31,26 @@ def test_a_server_command_answers_help(args: list[str], shown: str) -> None:
     assert r.exit_code == 0 and shown in r.output, r.output
 
 
-@pytest.mark.parametrize(("name", "extra"), sorted(SERVER_COMMANDS.items()))
+@pytest.mark.parametrize("name", sorted(server_commands()))
 def test_without_the_server_package_a_server_command_names_its_extra(
-    monkeypatch: pytest.MonkeyPatch, name: str, extra: str
+    monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    # find_spec answers None for a package set to None in sys.modules, as for one not installed.
-    monkeypatch.setitem(sys.modules, "dptrain_server", None)
+    # An import of a module set to None in sys.modules fails as one not installed; its modules
+    # loaded already go as well, or importing them would answer them from sys.modules.
+    for module in [m for m in sys.modules if m.split(".")[0] == "dptrain_server"] + ["dptrain_server"]:
+        monkeypatch.setitem(sys.modules, module, None)
     r = dptrain(name, "--port", "9000")
     said = flat(r.stderr)
     assert r.exit_code == 1, f"expected exit 1, got {r.exit_code}: {r.output}"
-    assert f"needs dptrain[{extra}]" in said and f"pip install 'dptrain[{extra}]'" in said, said
+    assert f"needs dptrain[{SERVER_EXTRA}]" in said and f"pip install 'dptrain[{SERVER_EXTRA}]'" in said, said
     listed = dptrain("--help")
-    assert listed.exit_code == 0 and f"needs the '{extra}' extra" in flat(listed.output), listed.output
+    assert listed.exit_code == 0 and f"needs the '{SERVER_EXTRA}' extra" in flat(listed.output), listed.output
+
+
+def test_the_server_commands_found_are_the_server_packages() -> None:
+    found = {name: ep.value for name, ep in server_commands().items()}
+    assert {"api", "worker", "webhook-worker", "migrate", "up", "users"} <= set(found), found
+    assert all(value.startswith("dptrain_server.") for value in found.values()), found
 
 
 @pytest.mark.e2e  # a fresh interpreter: this one has dptrain_server loaded already

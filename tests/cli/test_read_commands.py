@@ -18,7 +18,7 @@ from service.models import Checkpoint, Job, LogLine, Metric
 from tests.api_fixtures import register_node
 from tests.backends import sessions_of
 from tests.cli.conftest import dptrain
-from workers.outputs import Limits, record
+from workers.attempt.outputs import Limits, record
 
 # A traceback line a user's code may print: rich markup, a link, an escape sequence, a C1 CSI.
 HOSTILE = "KeyError: '[/]' [bold red]x[/] [link=http://evil]click[/link] \x1b]0;pwned\x07\x1b[2J\x9b31m end"

@@ -25,7 +25,7 @@ from service.models.base import utcnow
 from service.sweeps import driver
 from tests.api_fixtures import as_user
 from tests.backends import BACKENDS, sessions_of
-from workers.reconciler import purge_expired
+from workers.node.reconciler import purge_expired
 
 LIMIT = 4096
 LIMIT_TEXT = f"DPTRAIN_CODE_MAX_BYTES = {LIMIT} bytes"

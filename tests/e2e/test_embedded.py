@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.helpers import Procs, clean_env, wait_healthy
 from tests.e2e.scenario import run_mlp_scenario
 from tests.e2e.sweep_scenario import run_asha_sweep, run_random_sweep
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 

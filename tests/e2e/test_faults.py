@@ -25,7 +25,7 @@ from tests.conftest import job_spec
 from tests.e2e.helpers import wait_for_terminal
 from tests.e2e.services import PrivatePostgres, PrivateRedis
 from tests.e2e.stack import Stack, running_stack
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 

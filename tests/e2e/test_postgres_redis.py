@@ -14,7 +14,7 @@ from api_schemas import JobSpec
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
-from service.jobs import service
+from service.jobs import submit
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.e2e.helpers import clean_env, wait_for_terminal
 from tests.e2e.scenario import SPEC, run_mlp_scenario
@@ -32,9 +32,10 @@ def test_a_job_committed_but_never_published_still_runs(stack: Stack) -> None:
     """A crash between commit and publish: the row exists, no message does; the reconciler recovers it."""
     http, procs, db_url = stack.http, stack.procs, stack.db_url
     spec = JobSpec.model_validate({**SPEC, "name": "never-published"})
-    with session_factory(Settings(database_url=db_url)).begin() as session:
+    settings = Settings(database_url=db_url)
+    with session_factory(settings).begin() as session:
         admin = ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
-        job_id = service.submit(session, user=admin, spec=spec).id  # committed, not published
+        job_id = submit.submit(session, user=admin, spec=spec, settings=settings)[0].id  # not published
     job = wait_for_terminal(http, job_id, procs=procs)
     assert job["status"] == "succeeded" and job["attempt"] == 1, job
 

@@ -14,7 +14,7 @@ from tests.conftest import REDIS_URL
 from tests.e2e.helpers import wait_healthy
 from tests.e2e.stack import Stack, running_stack
 from tests.e2e.sweep_scenario import run_asha_sweep, run_random_sweep
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 

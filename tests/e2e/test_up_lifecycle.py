@@ -25,7 +25,7 @@ import yaml
 from rank_contract.layout import RunFiles
 from tests.conftest import job_spec
 from tests.e2e.helpers import Procs, clean_env, wait_for_terminal, wait_healthy
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 

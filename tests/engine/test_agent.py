@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.engine_fixtures import read_events
-from workers.engine.launch import ENGINE_MAIN, torchrun_command
-from workers.procs import rank_processes
+from workers.attempt.launch import ENGINE_MAIN, torchrun_command
+from workers.sandbox.procs import rank_processes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def test_forked_ranks_share_the_host_one_thread_each(tmp_path: Path, make_spec: 
 @pytest.mark.e2e
 def test_sigterm_to_the_group_ends_forked_ranks_without_an_error(tmp_path: Path, make_spec: Any) -> None:
     # What a cancel does (procs.stop_group). Each forked rank leads a session of its own, as plain
-    # torchrun's ranks do (a scheduling group of its own: main.own_session), so the group's SIGTERM
+    # torchrun's ranks do (a scheduling group of its own: process.own_session), so the group's SIGTERM
     # reaches the agent, which forwards it to each rank. The ranks inherit the agent's handler,
     # which would turn SIGTERM into an exception and an error event; a cancelled rank reports none.
     env = {"OMP_NUM_THREADS": "1", "DPTRAIN_FAULT_INJECT": "sleep:ms=200"}

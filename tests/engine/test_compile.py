@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from tests.engine_fixtures import EngineRun, Launches
-from workers.attempts import NOT_RETRIED
+from workers.attempt.end import NOT_RETRIED
 from workers.engine import compile as C
 
 # Compiled vs eager after the equivalence job's 10 steps (max |param diff|), measured on CPU: inductor

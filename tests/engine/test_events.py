@@ -107,7 +107,7 @@ def test_fault_parser() -> None:
 @pytest.mark.e2e
 def test_launch_helper_does_not_import_torch() -> None:
     code = (
-        "import sys; from workers.engine.launch import torchrun_command as t; "
+        "import sys; from workers.attempt.launch import torchrun_command as t; "
         "assert 'torch' not in sys.modules; "
         "print(t(job_id='j', nproc=2, spec_path='s', run_dir='r', checkpoint_dir='c'))"
     )

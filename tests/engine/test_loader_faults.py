@@ -23,7 +23,7 @@ from api_schemas import JobError
 from api_schemas.data import DataSpec
 from tests.engine_fixtures import EngineRun, assert_no_process_left
 from tests.fixtures.loader_plan.loader_faults import Samples
-from workers.attempts import is_retryable
+from workers.attempt.end import is_retryable
 from workers.engine.batch_loader import (
     Batches,
     fixed_batch_sampler,

@@ -23,7 +23,7 @@ from workers.engine.faults import Fault
 from workers.engine.metrics_window import MAX_WINDOW, TARGET_SECONDS, MetricsWindow, next_window
 from workers.engine.recipes import RECIPES, plan_params
 from workers.engine.trainer import Trainer
-from workers.tail import Tail
+from workers.reporting.tail import Tail
 
 
 def _events(path: Path) -> list[dict[str, Any]]:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
-from workers import environments
-from workers.env_build import shadowing
-from workers.environments import Aborted, EnvironmentFailed, held
+from workers.pyenv import environments
+from workers.pyenv.build import shadowing
+from workers.pyenv.environments import Aborted, EnvironmentFailed, held
 
 
 def _builder(calls: list[str], size: int = 1000, seconds: float = 0.0):
@@ -117,7 +117,7 @@ def test_an_environment_providing_the_workers_packages_is_refused(tmp_path: Path
 
 def test_a_requirements_file_is_read_from_the_code_and_a_missing_one_fails_at_once(tmp_path: Path) -> None:
     from api_schemas import JobSpec
-    from workers.attempts import NOT_RETRIED
+    from workers.attempt.end import NOT_RETRIED
 
     code = tmp_path / "code"
     code.mkdir()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 from pathlib import Path
 
-from workers.env_build import _install_error, unmet_by_worker, worker_distributions
+from workers.pyenv.build import _install_error, unmet_by_worker, worker_distributions
 
 
 def _installed(root: Path, name: str, requires: list[str]) -> None:

@@ -13,7 +13,7 @@ from rank_contract.layout import JobFiles
 from service.config import Settings
 from service.models import JobArtifact
 from tests.api_fixtures import add_user, as_user, submit
-from workers.outputs import Limits, record
+from workers.attempt.outputs import Limits, record
 
 ROOMY = Limits(max_bytes=1 << 20, max_files=100)
 

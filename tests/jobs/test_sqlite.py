@@ -46,7 +46,7 @@ def test_filters_downsampling_and_events_on_sqlite(sqlite_client: TestClient) ->
 
 
 def test_workers_and_job_times_are_aware_utc_on_sqlite(sqlite_client: TestClient) -> None:
-    from workers.heartbeat import Heartbeat
+    from workers.node.heartbeat import Heartbeat
 
     sessions = sqlite_client.app.state.session_factory  # type: ignore[attr-defined]
     Heartbeat(

@@ -19,7 +19,7 @@ from service.models.base import utcnow
 from service.nodes import repository as nodes
 from tests.api_fixtures import RecordingScheduler, as_user, submit
 from tests.backends import BACKENDS, client_on, sessions_of
-from workers.heartbeat import Heartbeat
+from workers.node.heartbeat import Heartbeat
 
 FAMILIES = {
     "dptrain_jobs",

@@ -13,7 +13,7 @@ from service.models import Worker
 from service.models.base import utcnow
 from service.scheduling.service import schedule_once
 from tests.api_fixtures import RecordingDispatcher, add_user, as_user, register_node, submit
-from workers.heartbeat import Heartbeat
+from workers.node.heartbeat import Heartbeat
 
 
 def test_heartbeat_then_alive_then_lost(
@@ -91,7 +91,7 @@ def test_only_admins_see_host_names_and_addresses(
 def test_a_worker_lists_the_environments_it_has_cached(
     client: TestClient, sessions: sessionmaker[Session], tmp_path: Path
 ) -> None:
-    from workers.environments import held, listed_environments
+    from workers.pyenv.environments import held, listed_environments
 
     def build(root: Path) -> None:
         (root / "blob").write_bytes(b"x" * 100)

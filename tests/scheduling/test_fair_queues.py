@@ -16,7 +16,7 @@ from service.app import create_app
 from service.config import Settings
 from service.db import session_factory
 from service.errors import ServiceError
-from service.jobs import service
+from service.jobs import submit
 from service.jobs.poll_cache import JobPollCache
 from service.models import Job, User
 from service.scheduling.queue import QueueFull
@@ -79,7 +79,7 @@ class TestAFlood:
             shapes = [1] * 2 + [8] * 520 + [1] * 40
             for i, ppn in enumerate(shapes):
                 spec = JobSpec.model_validate(_spec(f"flood-{i}", ppn=ppn, priority=1000))
-                service.submit(s, user=flood, spec=spec, settings=flood_settings)
+                submit.submit(s, user=flood, spec=spec, settings=flood_settings)
         first = _round(sessions, flood_settings)
         assert len(first) == 2, f"the flood's owner runs its limit of 2: {first}"
 
@@ -168,7 +168,7 @@ def test_racing_submits_of_one_user_never_pass_the_cap(own_database: str, tmp_pa
         for _ in range(3):
             try:
                 with sessions.begin() as s:
-                    service.submit(s, user=racer, spec=spec, settings=settings)
+                    submit.submit(s, user=racer, spec=spec, settings=settings)
                 outcomes.append("queued")
             except QueueFull:
                 outcomes.append("full")

@@ -14,7 +14,7 @@ from api_schemas import JobSpec, JobStatus
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
-from service.jobs import lifecycle, service
+from service.jobs import lifecycle, submit
 from service.models import Job, JobNode, JobTransition, Worker
 from service.models.base import utcnow
 from service.scheduling import repository
@@ -221,7 +221,7 @@ def test_concurrent_placements_never_hand_out_a_slot_twice(
     with sessions.begin() as s:
         admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
         for i in range(12):
-            service.submit(s, user=admin, spec=JobSpec.model_validate(_spec(f"race-{i}")))
+            submit.submit(s, user=admin, spec=JobSpec.model_validate(_spec(f"race-{i}")), settings=settings)
     roomy = settings.model_copy(update={"max_running_jobs_per_user": 100})
     barrier = threading.Barrier(4)
     placed: list[str] = []

@@ -67,7 +67,7 @@ def test_a_command_job_stops_when_asked_and_resumes_to_the_same_parameters(
         if stop:  # the runner's cancel, before the first step: each rank saves once and leaves
             run_dir.mkdir()
             RunFiles(run_dir).stop.touch()
-        wrapper = ["-m", "workers.command_rank", "--job-id", "job-ddp", "--on-node", "n0", "--run-dir"]
+        wrapper = ["-m", "workers.command.main", "--job-id", "job-ddp", "--on-node", "n0", "--run-dir"]
         env = sdk_env(
             job_id="job-ddp",
             attempt=number,

@@ -18,9 +18,9 @@ from service.config import Settings
 from service.dispatch import celery_config
 from service.files import write_private
 from tests.backends import sqlite_app
-from workers.celery_app import _private_files, app
 from workers.engine.checkpoint import CheckpointManager
-from workers.engine.main import redirect_output
+from workers.engine.process import redirect_output
+from workers.node.celery_app import _private_files, app
 
 GROUP_OR_OTHER = 0o077
 

@@ -15,7 +15,7 @@ from service.models import Checkpoint, JobArtifact, LogLine, Metric
 from service.scheduling.service import schedule_once
 from tests.api_fixtures import SPEC, RecordingDispatcher, add_user, as_user
 from workers.engine.checkpoint import checkpoint_name
-from workers.heartbeat import Heartbeat
+from workers.node.heartbeat import Heartbeat
 
 
 def _v1_routes(client: TestClient) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from tests.api_fixtures import SPEC, as_user
 from tests.conftest import job_spec
-from workers.rank_env import rank_environment
+from workers.sandbox.rank_env import rank_environment
 
 # Finding 1: inductor's compiler probe ran `$CXX --version`, bash read BASH_ENV and ran it, as root.
 FINDING_ENV = {"CXX": "/bin/bash", "BASH_ENV": "$(id > /tmp/x_$$)"}

@@ -1,4 +1,4 @@
-"""Files a job's ranks can write are read as hostile input (rank_contract.files, workers/tail.py).
+"""Files a job's ranks can write are read as hostile input (rank_contract.files, workers/reporting/tail.py).
 
 A link at any component of the path, a FIFO, a device, a file swapped for a link between two reads,
 a folder swapped for a link: nothing is read through any of them, nothing blocks, and reads stay
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from rank_contract.files import create_beneath, open_beneath, read_beneath, read_file, touch_beneath
-from workers import environments
-from workers.attempts import launcher_error
-from workers.rank_failure import from_hook_file, log_tail
-from workers.tail import Tail, TailSet
+from workers.attempt.end import launcher_error
+from workers.command.failure import from_hook_file, log_tail
+from workers.pyenv import environments
+from workers.reporting.tail import Tail, TailSet
 
 
 @pytest.fixture

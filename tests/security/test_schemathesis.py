@@ -18,7 +18,7 @@ from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.db import session_factory
-from service.jobs import lifecycle, service
+from service.jobs import lifecycle, submit
 from service.models import Checkpoint
 from tests.api_fixtures import ADMIN_TOKEN, SPEC, RecordingScheduler
 from workers.engine.checkpoint import checkpoint_name
@@ -73,7 +73,9 @@ def database(own_database: str, tmp_path_factory: pytest.TempPathFactory) -> dic
     app.state.session_factory = session_factory(app.state.settings)
     with app.state.session_factory.begin() as session:
         admin = ensure_bootstrap_admin(session, token=ADMIN_TOKEN)
-        job_id = service.submit(session, user=admin, spec=JobSpec.model_validate(SPEC)).id
+        job_id = submit.submit(
+            session, user=admin, spec=JobSpec.model_validate(SPEC), settings=app.state.settings
+        )[0].id
         lifecycle.transition(session, job_id=job_id, src=JobStatus.QUEUED, dst=JobStatus.RUNNING)
         lifecycle.transition(session, job_id=job_id, src=JobStatus.RUNNING, dst=JobStatus.SUCCEEDED)
         path = app.state.settings.artifacts / "jobs" / job_id / "checkpoints" / checkpoint_name(1)

@@ -117,7 +117,7 @@ def test_the_median_pruner_stops_a_trial_worse_than_the_finished_ones(
     # The trial is its job: running until its ranks are gone, and the sweep with it.
     assert shown["trials"][2]["status"] == "running" and shown["state"] == "running"
     with sessions.begin() as session:
-        # How its worker ends the stopped run (workers/attempts.py): pruned, not cancelled.
+        # How its worker ends the stopped run (workers/attempt/end.py): pruned, not cancelled.
         dst, reason = lifecycle.end_of_cancelled_run(
             finished=False, pruned=lifecycle.prune_requested(session, job_id=job.id)
         )
@@ -350,7 +350,7 @@ def test_a_trial_that_finishes_while_the_pruner_decides_keeps_its_objective(
     assert job is not None and job.cancel_requested and job.prune_requested
     with sessions.begin() as session:
         # Meanwhile c's ranks ran their last step, a good one, and the final checkpoint: its worker
-        # ends the run as every cancelled run that finished first ends (workers/attempts.py).
+        # ends the run as every cancelled run that finished first ends (workers/attempt/end.py).
         session.add(Metric(job_id=job.id, attempt=1, name=METRIC, step=3, value=0.1))
         dst, reason = lifecycle.end_of_cancelled_run(
             finished=True, pruned=lifecycle.prune_requested(session, job_id=job.id)

@@ -22,10 +22,10 @@ from service.db import get_engine, session_factory
 from service.scheduling.service import schedule_once
 from service.webhooks.publisher import publisher_for
 from service.webhooks.sweep import sweep_once
+from service.webhooks.worker import create_app as create_webhook_app
 from tests.api_fixtures import ADMIN_TOKEN, RecordingDispatcher, RecordingScheduler, register_node, submit
 from tests.conftest import REDIS_URL, free_port
 from tests.webhooks.receiver import Receiver
-from workers.webhooks import create_app as create_webhook_app
 
 
 @pytest.fixture(scope="module")

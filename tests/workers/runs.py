@@ -19,14 +19,15 @@ from dptrain.workdir import pack
 from rank_contract.layout import code_archive
 from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
+from service.code import repository as code_repository
 from service.config import Settings
 from service.db import session_factory
-from service.jobs import lifecycle, service
+from service.jobs import lifecycle, submit
 from service.models import Job, JobTransition
 from service.models.base import utcnow
 from service.scheduling import repository
 from tests.api_fixtures import ADMIN_TOKEN, RecordingScheduler
-from workers.runner import run_node
+from workers.attempt.runner import run_node
 
 
 def node_settings(database_url: str, home: Path) -> Settings:
@@ -68,24 +69,29 @@ def admin_api_fixture() -> Any:
 
 
 def store_code(settings: Settings, tree: Path, work: Path) -> str:
-    """Pack `tree` and store it where `PUT /v1/code/{sha256}` would have put it; its sha256."""
+    """Pack `tree` and store it as `PUT /v1/code/{sha256}` would have, uploaded by the admin; its sha256."""
     packed = pack(tree, work / "code.tar.gz")
     dest = code_archive(settings.artifacts, packed.sha256)
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(packed.path, dest)
+    # The archive's row too: the submit gate lets a spec name only an archive that was uploaded.
+    with session_factory(settings).begin() as s:
+        admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
+        size = dest.stat().st_size
+        code_repository.record(s, sha256=packed.sha256, size_bytes=size, user_id=admin.id, now=utcnow())
     return packed.sha256
 
 
-def submit_as_admin(
-    sessions: sessionmaker[Session], spec: dict[str, Any], *, settings: Settings | None = None
-) -> str:
-    """Submit `spec` as the bootstrap admin through the jobs service (no API); returns the job id.
+def submit_as_admin(sessions: sessionmaker[Session], spec: dict[str, Any], *, settings: Settings) -> str:
+    """Submit `spec` as the bootstrap admin through the submit gate (no API); returns the job id.
 
-    With `settings` the submit applies them as the API does (an `init_from` needs their artifact root).
+    `settings` are the API's, which on these one-host tests are the node's own (its artifact root
+    holds the code archives and the pins of an `init_from`).
     """
     with sessions.begin() as s:
         user = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
-        return service.submit(s, user=user, spec=JobSpec.model_validate(spec), settings=settings).id
+        job, _ = submit.submit(s, user=user, spec=JobSpec.model_validate(spec), settings=settings)
+        return job.id
 
 
 def place_here(settings: Settings, *, job_id: str) -> int:

@@ -14,10 +14,10 @@ from api_schemas import JobError, JobStatus
 from rank_contract.layout import RunFiles
 from service.models import Job, JobTransition
 from service.models.base import utcnow
-from workers.attempts import WORKER_STOPPED, end_abnormally, is_retryable, launcher_error
+from workers.attempt.end import WORKER_STOPPED, end_abnormally, is_retryable, launcher_error
+from workers.attempt.node_run import Attempt
 from workers.engine.events import EventWriter
-from workers.node_run import Attempt
-from workers.reporting import Reporter
+from workers.reporting.reporter import Reporter
 
 SPEC = {"name": "a", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4, "steps": 1}}
 

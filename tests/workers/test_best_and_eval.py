@@ -23,11 +23,11 @@ from service.jobs.metrics_repository import downsample, metric_series
 from service.models import Job
 from tests.api_fixtures import submit
 from tests.backends import BACKENDS, client_on, sessions_of
-from workers.checkpoint_rows import sync_checkpoints
+from workers.attempt.checkpoint_rows import sync_checkpoints
+from workers.attempt.node_run import Attempt
 from workers.engine.checkpoint import CheckpointManager, best_marker, checkpoint_name
 from workers.engine.events import CheckpointEvent, EventWriter, MetricsEvent
-from workers.node_run import Attempt
-from workers.reporting import Reporter
+from workers.reporting.reporter import Reporter
 
 TOKEN = "t" * 32
 

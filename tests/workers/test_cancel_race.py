@@ -18,11 +18,11 @@ from service.jobs import service
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.workers.runs import job_row, node_fixtures, place_here, submit_as_admin, timeline
-from workers import attempts
+from workers.attempt import end
+from workers.attempt.node_run import Attempt, NodeRun, RunPaths
+from workers.attempt.watch import Watch
 from workers.engine.events import CheckpointEvent, EventWriter, FinishedEvent, MetricsEvent, StartedEvent
-from workers.node_run import Attempt, NodeRun, RunPaths
-from workers.reporting import Reporter
-from workers.watch import Watch
+from workers.reporting.reporter import Reporter
 
 settings, sessions = node_fixtures()
 
@@ -43,7 +43,7 @@ def _end_after_stop(
     `stop`: a cancel (requested through the service), or the job's deadline.
     """
     spec = job_spec(name="race", hyperparameters={"global_batch_size": 8, "steps": STEPS, "hidden_size": 8})
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     attempt = place_here(settings, job_id=job_id)
     paths = RunPaths(JobFiles(settings.artifacts, job_id), attempt, node_rank)
     events = EventWriter(paths.run.folder / "events" / "rank0.jsonl", rank=0)
@@ -74,7 +74,7 @@ def _end_after_stop(
         rendezvous=None,
         address="",
     )
-    status = attempts.record_outcome(
+    status = end.record_outcome(
         sessions, reporter=reporter, run=run, rc=-15, watch=watch, paths=paths, max_runtime=60
     )
     return job_id, status

@@ -7,7 +7,7 @@ import os
 from celery import Celery
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
-from workers import celery_app
+from workers.node import celery_app
 
 
 class _Worker:

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from api_schemas import JobError
-from workers.attempts import is_retryable
-from workers.checkpoint_cap import CheckpointGuard, measure, over_cap
+from workers.attempt.checkpoint_cap import CheckpointGuard, measure, over_cap
+from workers.attempt.end import is_retryable
 
 MIB = 1 << 20
 FALLOC_FL_KEEP_SIZE = 1  # linux/falloc.h

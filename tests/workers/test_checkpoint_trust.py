@@ -23,7 +23,7 @@ from service.models import LogLine
 from service.users import service as users
 from tests.api_fixtures import RecordingScheduler, as_user
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, timeline
-from workers.node_run import RunPaths
+from workers.attempt.node_run import RunPaths
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from rank_contract.env import RUN_DIR_ENV
 from rank_contract.layout import RunFiles
 from service.config import Settings
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
-from workers.clean_end import after_finish
+from workers.command.clean_end import after_finish
 from workers.engine.events import ErrorEvent, WarningEvent, parse_event
 
 pytestmark = pytest.mark.e2e
@@ -83,7 +83,7 @@ def test_the_rank_wrapper_succeeds_for_an_abort_after_finish_only(tmp_path: Path
     code = f"import os, dptrain\nif {finish}: dptrain.finish()\nos.abort()"
     argv = ["--job-id", "job-x", "--run-dir", str(tmp_path), "--", "python", "-c", code]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "1", RUN_DIR_ENV: str(tmp_path)}
-    rc = subprocess.run([sys.executable, "-m", "workers.command_rank", *argv], cwd=ROOT, env=env, timeout=60)
+    rc = subprocess.run([sys.executable, "-m", "workers.command.main", *argv], cwd=ROOT, env=env, timeout=60)
     [event] = _events(tmp_path, 1)
     log = (tmp_path / "logs" / "rank1.log").read_text()
     if finish:
@@ -95,20 +95,20 @@ def test_the_rank_wrapper_succeeds_for_an_abort_after_finish_only(tmp_path: Path
         assert isinstance(event, ErrorEvent) and "SIGABRT" in event.message
 
 
-def _submit(sessions: sessionmaker[Session], *args: str) -> str:
+def _submit(sessions: sessionmaker[Session], settings: Settings, *args: str) -> str:
     spec = {
         "name": "clean-end",
         "command": ["python", "-c", SCRIPT, *args],
         "resources": {"processes_per_node": 2},
         "max_restarts": 0,
     }
-    return submit_as_admin(sessions, spec)
+    return submit_as_admin(sessions, spec, settings=settings)
 
 
 def test_a_job_whose_rank_aborts_after_finish_succeeds_with_a_warning(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
-    job_id = _submit(sessions, "--finish")
+    job_id = _submit(sessions, settings, "--finish")
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED, job_row(
         sessions, job_id
     ).error
@@ -119,7 +119,7 @@ def test_a_job_whose_rank_aborts_after_finish_succeeds_with_a_warning(
 def test_the_same_abort_without_finish_fails_the_job(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error.rank == 1 and "SIGABRT" in error.message, error

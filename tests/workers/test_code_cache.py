@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dptrain.workdir import pack
-from workers import code_cache
-from workers.code_cache import (
+from workers.sandbox import code_cache
+from workers.sandbox.code_cache import (
     CodeArchiveError,
     CodeCorrupt,
     CodeMissing,

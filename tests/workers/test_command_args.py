@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.command_args import expand, expand_command
+from workers.command.args import expand, expand_command
 
 ENV = {"DPTRAIN_DATA_ROOT": "/data", "RANK": "1", "NESTED": "$(RANK)", "EMPTY": ""}
 

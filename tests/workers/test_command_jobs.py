@@ -33,7 +33,7 @@ from tests.workers.runs import (
     submit_as_admin,
     wait_step,
 )
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +50,9 @@ def code_sha(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> st
 api = admin_api_fixture()
 
 
-def _submit(sessions: sessionmaker[Session], code_sha: str, *args: str, **over: Any) -> str:
+def _submit(
+    sessions: sessionmaker[Session], settings: Settings, code_sha: str, *args: str, **over: Any
+) -> str:
     spec: dict[str, Any] = {
         "name": "script",
         "command": ["python", "train.py", *args],
@@ -60,7 +62,7 @@ def _submit(sessions: sessionmaker[Session], code_sha: str, *args: str, **over: 
         "checkpoint": {"keep_last": 2},
     }
     spec.update(over)
-    return submit_as_admin(sessions, spec)
+    return submit_as_admin(sessions, spec, settings=settings)
 
 
 def _logs(sessions: sessionmaker[Session], job_id: str) -> list[LogLine]:
@@ -82,7 +84,7 @@ def _wait_gone(job_id: str, seconds: float) -> None:
 def test_a_ddp_script_reports_metrics_checkpoints_and_per_rank_logs(
     settings: Settings, sessions: sessionmaker, code_sha: str, api: TestClient
 ) -> None:
-    job_id = _submit(sessions, code_sha, "--steps", "6")
+    job_id = _submit(sessions, settings, code_sha, "--steps", "6")
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     job = job_row(sessions, job_id)
     assert job.status == "succeeded" and job.step == 6, (job.status, job.step, job.error)
@@ -102,11 +104,11 @@ def test_a_ddp_script_reports_metrics_checkpoints_and_per_rank_logs(
 def test_a_sigkilled_rank_restarts_and_resumes_from_its_sdk_checkpoint(
     settings: Settings, sessions: sessionmaker, code_sha: str
 ) -> None:
-    job_id = _submit(sessions, code_sha, "--steps", "40", "--step-seconds", "0.1", max_restarts=1)
+    job_id = _submit(sessions, settings, code_sha, "--steps", "40", "--step-seconds", "0.1", max_restarts=1)
     thread, out = run_in_thread(settings, job_id)
     wait_step(sessions, job_id, 5)
     # The user's program of rank 1: a child of the rank wrapper whose RANK is 1.
-    wrappers = [p for p in rank_processes(job_id) if "workers.command_rank" in " ".join(p.cmdline())]
+    wrappers = [p for p in rank_processes(job_id) if "workers.command.main" in " ".join(p.cmdline())]
     rank1 = next(p for p in wrappers if p.environ().get("RANK") == "1")
     for child in rank1.children():
         child.send_signal(signal.SIGKILL)
@@ -123,7 +125,7 @@ def test_a_sigkilled_rank_restarts_and_resumes_from_its_sdk_checkpoint(
 def test_cancel_asks_the_script_to_stop_and_it_checkpoints_first(
     settings: Settings, sessions: sessionmaker, code_sha: str
 ) -> None:
-    job_id = _submit(sessions, code_sha, "--steps", "100000", "--step-seconds", "0.05")
+    job_id = _submit(sessions, settings, code_sha, "--steps", "100000", "--step-seconds", "0.05")
     thread, out = run_in_thread(settings, job_id)
     wait_step(sessions, job_id, 3)
     with sessions.begin() as s:
@@ -149,6 +151,7 @@ def test_the_ranks_see_no_secret_of_the_worker(
     monkeypatch.setenv("DPTRAIN_TOKEN", "secret-client-token")
     job_id = _submit(
         sessions,
+        settings,
         code_sha,
         "--steps",
         "1",
@@ -168,7 +171,7 @@ def test_the_ranks_see_no_secret_of_the_worker(
 def test_a_script_that_hangs_ends_after_the_stall_timeout_with_no_process_left(
     settings: Settings, sessions: sessionmaker, code_sha: str
 ) -> None:
-    job_id = _submit(sessions, code_sha, "--sleep-forever", stall_timeout_seconds=10)
+    job_id = _submit(sessions, settings, code_sha, "--sleep-forever", stall_timeout_seconds=10)
     started = time.monotonic()
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     took = time.monotonic() - started
@@ -216,6 +219,7 @@ def test_a_reference_in_the_command_expands_from_the_ranks_environment_without_a
             "code": {"sha256": store_code(node, tree, tmp_path)},
             "resources": {"processes_per_node": 1},
         },
+        settings=settings,
     )
     ended = run_attempt(job_id=job_id, settings=node)
     printed = [line.line for line in _logs(sessions, job_id)]
@@ -269,7 +273,7 @@ def test_a_script_resumes_from_its_output_dir_and_its_outputs_become_artifacts(
         "hyperparameters": {"steps": 1},
         "max_restarts": 1,
     }
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     # A kill by signal is retried: the job is queued for its second attempt.
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.QUEUED, _logs_text(sessions, job_id)
     saved = hashlib.sha256(b"state at step 3").hexdigest()
@@ -305,7 +309,7 @@ def test_outputs_over_the_cap_fail_the_job_unretried(
         "hyperparameters": {"steps": 1},
         "max_restarts": 1,
     }
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     capped = settings.model_copy(update={"max_output_bytes_per_job": 1024})
     assert run_attempt(job_id=job_id, settings=capped) is JobStatus.FAILED, when
     error = JobError.model_validate(job_row(sessions, job_id).error)

@@ -12,7 +12,7 @@ from api_schemas import JobStatus
 from service.config import Settings
 from service.models import LogLine
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin
-from workers.log_budget import line_bytes
+from workers.reporting.log_budget import line_bytes
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +28,7 @@ def test_a_job_printing_past_the_cap_keeps_the_cap_and_a_marker_and_succeeds(
     # The runner hands its own settings' cap to the reporter: a worker with a cap of CAP bytes.
     settings = settings.model_copy(update={"max_log_bytes_per_job": CAP})
     spec = {"name": "chatty", "command": ["python", "-c", PROGRAM], "resources": {"processes_per_node": 1}}
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     assert job_row(sessions, job_id).status == "succeeded"
     with sessions() as s:

@@ -37,7 +37,7 @@ def test_a_script_without_the_sdk_succeeds_at_step_0_with_no_total_and_no_recipe
         "code": {"sha256": store_code(settings, SCRIPT_TREE, tmp_path)},
         "resources": {"processes_per_node": 2},
     }
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     with sessions() as s:
         said = {line.line for line in s.query(LogLine).filter_by(job_id=job_id)}

@@ -1,4 +1,4 @@
-"""workers.command_rank on real processes: the program's log, exit code, error event, signals, cleanup."""
+"""workers.command.main on real processes: the program's log, exit code, error event, signals, cleanup."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from rank_contract.env import SUPERVISOR_ENV
 from rank_contract.layout import RunFiles
 from workers.engine.events import ErrorEvent, parse_event
-from workers.engine.launch import supervisor_id
-from workers.procs import rank_processes, sweep_ranks
+from workers.engine.process import supervisor_id
+from workers.sandbox.procs import rank_processes, sweep_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 # A program that says it is ready with its pid, then waits to be signalled.
@@ -32,7 +32,7 @@ def _start(
 ) -> subprocess.Popen[bytes]:
     argv = ["--job-id", job_id, "--on-node", "n0", "--run-dir", str(run_dir), "--", *cmd]
     return subprocess.Popen(
-        [sys.executable, "-m", "workers.command_rank", *argv],
+        [sys.executable, "-m", "workers.command.main", *argv],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank), **env},
     )

@@ -21,7 +21,7 @@ from service.models import LogLine
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.env_index import ALPHA, BETA, BLOAT, MISSING, PackageIndex
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
-from workers import environments
+from workers.pyenv import environments
 
 pytestmark = pytest.mark.e2e
 
@@ -37,14 +37,16 @@ def node(settings: Settings, package_index: PackageIndex) -> Settings:
     )
 
 
-def _submit(sessions: sessionmaker[Session], lines: list[str], code: str = PRINT, **over: Any) -> str:
+def _submit(
+    sessions: sessionmaker[Session], settings: Settings, lines: list[str], code: str = PRINT, **over: Any
+) -> str:
     spec: dict[str, Any] = {
         "name": "env",
         "command": ["python", "-c", code],
         "environment": {"requirements": lines},
         "max_restarts": 2,
     }
-    return submit_as_admin(sessions, spec | over)
+    return submit_as_admin(sessions, spec | over, settings=settings)
 
 
 def _logs(sessions: sessionmaker[Session], job_id: str) -> list[LogLine]:
@@ -61,7 +63,7 @@ def test_a_job_imports_its_requirements_and_the_next_one_hits_the_cache(
 ) -> None:
     before = package_index.requests(BETA)
     code = "import dpt_beta; print('beta', dpt_beta.VERSION, 'alpha', dpt_beta.ALPHA_VERSION)"
-    first = _submit(sessions, [BETA], code, resources={"processes_per_node": 2})
+    first = _submit(sessions, node, [BETA], code, resources={"processes_per_node": 2})
     assert run_attempt(job_id=first, settings=node) is JobStatus.SUCCEEDED, job_row(sessions, first).error
     lines = _logs(sessions, first)
     for rank in (0, 1):
@@ -79,7 +81,7 @@ def test_a_job_imports_its_requirements_and_the_next_one_hits_the_cache(
     assert built >= 1, "the build asked the index"
     assert len(environments.cached(node.env_cache)) == 1, "two ranks, one environment built once"
 
-    second = _submit(sessions, [BETA.upper()], code)  # the same requirement, spelt differently
+    second = _submit(sessions, node, [BETA.upper()], code)  # the same requirement, spelt differently
     assert run_attempt(job_id=second, settings=node) is JobStatus.SUCCEEDED
     assert "cache hit" in _notes(sessions, second), timeline(sessions, second)
     again = job_row(sessions, second).environment_state
@@ -91,7 +93,7 @@ def test_two_jobs_pinning_different_versions_each_see_their_own(
     node: Settings, sessions: sessionmaker
 ) -> None:
     for version in ("1.0", "2.0"):
-        job_id = _submit(sessions, [f"{ALPHA}=={version}"])
+        job_id = _submit(sessions, node, [f"{ALPHA}=={version}"])
         assert run_attempt(job_id=job_id, settings=node) is JobStatus.SUCCEEDED, job_row(
             sessions, job_id
         ).error
@@ -102,7 +104,7 @@ def test_two_jobs_pinning_different_versions_each_see_their_own(
 def test_a_requirement_the_index_lacks_fails_at_once_with_the_resolvers_message(
     node: Settings, sessions: sessionmaker
 ) -> None:
-    job_id = _submit(sessions, [MISSING])
+    job_id = _submit(sessions, node, [MISSING])
     assert run_attempt(job_id=job_id, settings=node) is JobStatus.FAILED, "not retried (max_restarts=2)"
     job = job_row(sessions, job_id)
     assert job.attempt == 1 and job.error is not None
@@ -117,7 +119,7 @@ def test_the_index_down_fails_the_job_within_the_build_timeout(
     package_index.stop()
     try:
         quick = node.model_copy(update={"env_build_timeout_seconds": 5.0})
-        job_id = _submit(sessions, [f"{ALPHA}<2"])
+        job_id = _submit(sessions, node, [f"{ALPHA}<2"])
         assert run_attempt(job_id=job_id, settings=quick) is JobStatus.FAILED
     finally:
         package_index.start()
@@ -134,7 +136,7 @@ def test_a_cancel_stops_a_build_at_once(
 ) -> None:
     package_index.stop()  # pip then retries the index: a build that would take a while
     try:
-        job_id = _submit(sessions, [f"{ALPHA}!=1.5"])
+        job_id = _submit(sessions, node, [f"{ALPHA}!=1.5"])
         thread, out = run_in_thread(node, job_id)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -161,7 +163,7 @@ def test_a_build_over_its_size_bound_is_stopped_while_it_runs_and_leaves_nothing
     # dpt-bloat's build writes 64 files of 1 MiB (each under any per-file limit), then hangs for
     # 600 s: only the bound on the whole folder, measured while the build runs, ends it in time.
     bounded = node.model_copy(update={"max_env_bytes": 8 << 20, "env_build_timeout_seconds": 90.0})
-    job_id = _submit(sessions, [BLOAT])
+    job_id = _submit(sessions, node, [BLOAT])
     started = time.monotonic()
     assert run_attempt(job_id=job_id, settings=bounded) is JobStatus.FAILED, "not retried (max_restarts=2)"
     took = time.monotonic() - started

@@ -2,7 +2,7 @@
 
 Real torchrun, 2 ranks, tiny scripts (gloo, no training) run as command jobs by the runner with
 `max_restarts: 1`: a job that is not retried fails after its first attempt; one that is, is queued
-again. See workers/rank_failure.py (how the type is found) and workers/attempts.is_retryable.
+again. See workers/command/failure.py (how the type is found) and workers/attempt/end.is_retryable.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from api_schemas import JobError, JobStatus
 from rank_contract.layout import JobFiles, RunFiles
 from service.config import Settings
 from tests.workers.runs import job_row, node_fixtures, run_attempt, store_code, submit_as_admin
-from workers.node_run import RunPaths
+from workers.attempt.node_run import RunPaths
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +69,7 @@ def _run(
         "resources": {"processes_per_node": 2},
         "max_restarts": 1,
     }
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     return run_attempt(job_id=job_id, settings=settings), job_id
 
 

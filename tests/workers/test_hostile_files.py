@@ -110,7 +110,7 @@ def _run(settings: Settings, program: str, *args: str) -> str:
         "resources": {"processes_per_node": 1},
         "stall_timeout_seconds": 120,
     }
-    job_id = submit_as_admin(session_factory(settings), spec)
+    job_id = submit_as_admin(session_factory(settings), spec, settings=settings)
     run_attempt(job_id=job_id, settings=settings)
     return job_id
 

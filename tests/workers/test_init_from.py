@@ -23,9 +23,9 @@ from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin
+from workers.attempt.node_run import RunPaths
 from workers.engine.checkpoint import checkpoint_name
 from workers.engine.events import StartedEvent, parse_event
-from workers.node_run import RunPaths
 
 pytestmark = pytest.mark.e2e
 
@@ -65,7 +65,7 @@ def _steps(sessions: sessionmaker[Session], job_id: str) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(settings: Settings, sessions: sessionmaker[Session]) -> str:
     """The uninterrupted 40-step job."""
-    job_id = submit_as_admin(sessions, SPEC)
+    job_id = submit_as_admin(sessions, SPEC, settings=settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     assert _steps(sessions, job_id) == [20, 40]
     return job_id
@@ -77,7 +77,7 @@ def test_a_job_continued_from_step_20_of_a_cancelled_one_ends_bitwise_equal_to_t
     # The same 40-step spec, its steps slowed (the math is unchanged) so that the cancel lands after
     # its step-20 checkpoint and well before step 40.
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "sleep:ms=150")
-    source = submit_as_admin(sessions, SPEC)
+    source = submit_as_admin(sessions, SPEC, settings=settings)
     thread, out = run_in_thread(settings, source)
     deadline = time.monotonic() + 90
     while 20 not in _steps(sessions, source):

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobError, JobStatus
 from service.config import Settings
 from tests.workers.runs import job_row, node_fixtures, run_in_thread, store_code, submit_as_admin
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +43,7 @@ def test_a_loader_that_raises_fails_the_job_within_60_s_with_its_type(
             "resources": {"processes_per_node": 2},
             "data": {"num_workers": 2},
         },
+        settings=settings,
     )
     start = time.monotonic()
     thread, out = run_in_thread(settings, job_id)

@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import JobStatus
 from service.models import Job, LogLine
 from tests.conftest import job_spec
-from workers.log_budget import LogBudget, line_bytes
-from workers.reporting import Reporter
-from workers.tail import _MAX_LINE_BYTES, MAX_LINE_CHARS, Tail
+from workers.reporting.log_budget import LogBudget, line_bytes
+from workers.reporting.reporter import Reporter
+from workers.reporting.tail import _MAX_LINE_BYTES, MAX_LINE_CHARS, Tail
 
 SPEC = job_spec(name="chatty", hyperparameters={"global_batch_size": 4, "steps": 3})
 TOKEN = "t" * 32

@@ -17,8 +17,8 @@ from api_schemas import JobStatus
 from rank_contract.layout import RunFiles
 from service.models import Job, JobTransition, LogLine, Metric
 from tests.conftest import job_spec
-from workers.metric_budget import CAP_SETTING, MetricBudget
-from workers.reporting import Reporter
+from workers.reporting.metric_budget import CAP_SETTING, MetricBudget
+from workers.reporting.reporter import Reporter
 
 SPEC = job_spec(name="flood", hyperparameters={"global_batch_size": 4, "steps": 3})
 TOKEN = "t" * 32

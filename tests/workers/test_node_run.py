@@ -9,8 +9,8 @@ import pytest
 
 from api_schemas import JobSpec
 from rank_contract.layout import JobFiles
+from workers.attempt.node_run import RunPaths
 from workers.engine.config import configure
-from workers.node_run import RunPaths
 
 SHA = "a" * 64
 JOB = "b" * 32  # the shape of a job id (uuid4().hex)

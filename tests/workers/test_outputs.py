@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from api_schemas import JobError
-from workers.attempts import is_retryable
-from workers.outputs import Guard, Limits, measure, sha256_of
+from workers.attempt.end import is_retryable
+from workers.attempt.outputs import Guard, Limits, measure, sha256_of
 
 ROOMY = Limits(max_bytes=1 << 20, max_files=100)
 

@@ -1,6 +1,6 @@
 """How a command rank's failure is typed: the hook's file, torchrun's error file, the log, the exit.
 
-The logs in tests/fixtures/rank_logs are real rank logs (workers.command_rank under torchrun, 2
+The logs in tests/fixtures/rank_logs are real rank logs (workers.command.main under torchrun, 2
 ranks, gloo) of: an assert after init_process_group, a SyntaxError and an IndentationError in the
 main file, a KeyError on rank 1 under @record; torchelastic_error.json is what @record wrote.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rank_contract.layout import RunFiles
-from workers.rank_failure import (
+from workers.command.failure import (
     TORCHELASTIC_ERROR_FILE_ENV,
     Raised,
     error_event,

@@ -1,7 +1,7 @@
-"""dptrain's start-up hook in a rank's interpreter (workers/rank_hook/sitecustomize.py), on real interpreters.
+"""dptrain's start-up hook in a rank's interpreter (workers/command/rank_hook/), on real interpreters.
 
 Each test starts a bare Python (no torch) with the hook's folder first on PYTHONPATH, as
-workers/rank_env.py sets it for every rank.
+workers/sandbox/rank_env.py sets it for every rank.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rank_contract.env import EXCEPTION_FILE_ENV
-from workers.rank_env import RANK_HOOK_DIR
+from workers.sandbox.rank_env import RANK_HOOK_DIR
 
 pytestmark = pytest.mark.e2e
 

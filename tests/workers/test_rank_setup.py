@@ -1,5 +1,5 @@
-"""What a node prepares before its ranks start (workers.rank_setup.prepare), without starting them: the
-ranks' environment carries the worker's data root as the worker's settings have it, and nothing else
+"""What a node prepares before its ranks start (workers.sandbox.rank_setup.prepare), without starting
+them: the ranks' environment carries the worker's data root as the worker's settings have it, and nothing else
 of the worker's DPTRAIN_* settings."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from api_schemas import JobSpec
 from rank_contract.env import DATA_ROOT_ENV
 from rank_contract.layout import JobFiles
 from service.config import Settings
-from workers.node_run import RunPaths
-from workers.rank_setup import RankSetup, prepare
+from workers.attempt.node_run import RunPaths
+from workers.sandbox.rank_setup import RankSetup, prepare
 
 JOB = "d" * 32  # the shape of a job id (uuid4().hex)
 SPEC = {"name": "ranks", "recipe": "mlp", "checkpoint": {"keep_last": 2}}

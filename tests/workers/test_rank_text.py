@@ -7,7 +7,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.rank_text import escape_strings, escape_text
+from workers.reporting.rank_text import escape_strings, escape_text
 
 # What may not survive: C0 controls but tab (and newline, where kept), DEL, C1, surrogates.
 UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]")

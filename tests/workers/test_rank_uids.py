@@ -1,4 +1,4 @@
-"""Each running attempt's ranks have a uid of their own (workers/rank_uids.py), never nobody's.
+"""Each running attempt's ranks have a uid of their own (workers/sandbox/rank_uids.py), never nobody's.
 
 A root worker leases each attempt a uid of DPTRAIN_RANK_UID_RANGE with an flock'd file per uid; the
 allocator is tried here with real flocks in two processes, and whole attempts run in this process
@@ -26,7 +26,7 @@ from api_schemas import JobStatus
 from service.config import Settings
 from service.models import LogLine
 from tests.workers.runs import job_row, node_fixtures, run_in_thread, submit_as_admin
-from workers import rank_uids, sandbox
+from workers.sandbox import bubblewrap, rank_uids
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ settings, sessions = node_fixtures()
 # Outside the default range: attempts of other tests on this host lease from that one, and a uid
 # here must have no process but the test's own.
 SPARE_UID = 70_417
-NOBODY = sandbox.nobody()[0]
+NOBODY = bubblewrap.nobody()[0]
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +64,10 @@ def test_two_jobs_running_at_once_have_uids_of_their_own(
         "print('FACTS', json.dumps({'uid': os.getuid(), 'gid': os.getgid(), 'from': t, 'to': time.time()}))"
     )
     spec = {"name": "uid", "command": ["python", "-c", code], "hyperparameters": {"steps": 1}}
-    jobs = [submit_as_admin(sessions, spec), submit_as_admin(sessions, spec)]
+    jobs = [
+        submit_as_admin(sessions, spec, settings=settings),
+        submit_as_admin(sessions, spec, settings=settings),
+    ]
     runs = [run_in_thread(settings, job_id) for job_id in jobs]
     for thread, _ in runs:
         thread.join(timeout=180)
@@ -90,7 +93,7 @@ HOLDER = textwrap.dedent(
     """
     import os, subprocess, sys
     from pathlib import Path
-    from workers import rank_uids
+    from workers.sandbox import rank_uids
     uid, locks, owned = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     lease = rank_uids.acquire((uid, uid), lock_dir=locks)
     lease.own([owned])

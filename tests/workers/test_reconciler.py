@@ -14,8 +14,8 @@ from service.config import Settings
 from service.models import Checkpoint, Job, JobNode, JobTransition, LogLine, Metric, Worker
 from service.models.base import utcnow
 from tests.conftest import job_spec
-from workers.reconciler import purge_expired, recover_lost
-from workers.reporting import Reporter
+from workers.node.reconciler import purge_expired, recover_lost
+from workers.reporting.reporter import Reporter
 
 SPEC = job_spec(name="r", hyperparameters={"global_batch_size": 4, "steps": 1})
 
@@ -208,7 +208,7 @@ def test_lost_leases_are_found_on_sqlite_too(tmp_path: Path) -> None:
     from migrations import upgrade
     from service.auth.tokens import ensure_bootstrap_admin
     from service.db import session_factory
-    from service.jobs import service
+    from service.jobs import submit
     from tests.api_fixtures import ADMIN_TOKEN
 
     url = f"sqlite:///{tmp_path / 'dptrain.db'}"
@@ -218,7 +218,7 @@ def test_lost_leases_are_found_on_sqlite_too(tmp_path: Path) -> None:
     ago = utcnow() - timedelta(minutes=5)
     with sessions.begin() as s:
         admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
-        job_id = service.submit(s, user=admin, spec=JobSpec.model_validate(SPEC)).id
+        job_id = submit.submit(s, user=admin, spec=JobSpec.model_validate(SPEC), settings=settings)[0].id
         s.add(Worker(name="w:1", hostname="h", device="cpu", device_count=1, slots=1, last_heartbeat=ago))
     with sessions.begin() as s:
         _node(s, job_id, rank=0, worker="w:1")

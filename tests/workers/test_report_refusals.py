@@ -23,9 +23,10 @@ from rank_contract.layout import RunFiles
 from service.db import make_engine
 from service.models import Job, JobTransition, LogLine, Metric
 from tests.conftest import free_port, job_spec
-from workers import attempts, reporting, watch
-from workers.node_run import Attempt
-from workers.reporting import Reporter
+from workers.attempt import end, watch
+from workers.attempt.node_run import Attempt
+from workers.reporting import reporter as reporting
+from workers.reporting.reporter import Reporter
 
 SPEC = job_spec(name="bytes", hyperparameters={"global_batch_size": 4, "steps": 3})
 TOKEN = "t" * 32
@@ -105,7 +106,7 @@ def test_control_bytes_from_a_rank_are_stored_escaped_and_progress_moves(
     error = reporter.root_error()
     assert error is not None
     att = Attempt(job_id=job_id, number=1, token=TOKEN, max_restarts=0)
-    assert attempts.end_abnormally(sessions, att=att, error=error) == JobStatus.FAILED
+    assert end.end_abnormally(sessions, att=att, error=error) == JobStatus.FAILED
     db.expire_all()
     job = db.get(Job, job_id)
     assert job is not None and job.status == JobStatus.FAILED.value

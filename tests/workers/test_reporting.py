@@ -22,7 +22,7 @@ from workers.engine.events import (
     MetricsEvent,
     StartedEvent,
 )
-from workers.reporting import Reporter
+from workers.reporting.reporter import Reporter
 
 SPEC = job_spec(name="r", hyperparameters={"global_batch_size": 4, "steps": 3})
 
@@ -170,7 +170,7 @@ def test_a_bad_line_is_skipped_with_a_warning_and_the_rest_is_read(
     RunFiles(tmp_path).rank_events(0).parent.mkdir(parents=True)
     RunFiles(tmp_path).rank_events(0).write_text("\n".join(lines))
     reporter = Reporter(sessions=sessions, job_id=job_id, attempt=1, claim_token="t" * 32, run_dir=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="workers.reporting"):
+    with caplog.at_level(logging.WARNING, logger="workers.reporting.reporter"):
         reporter.collect(final=True)
     assert reporter.flush()
 

@@ -22,10 +22,10 @@ from service.models import Checkpoint, Job
 from tests.conftest import job_spec
 from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
+from workers.attempt.node_run import RunPaths
 from workers.engine.checkpoint import checkpoint_name, read_best_step
 from workers.engine.events import StartedEvent, parse_event
-from workers.node_run import RunPaths
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 STEPS = 24
 # Evaluating every 4 steps, keeping the best checkpoint: the mark must survive the kill.
@@ -38,7 +38,7 @@ KEEP_BEST: dict[str, Any] = {
 settings, sessions = node_fixtures()
 
 
-def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
+def _submit(sessions: sessionmaker[Session], settings: Settings, **over: Any) -> str:
     spec = job_spec(
         name="restarts",
         hyperparameters={"global_batch_size": 8, "steps": STEPS, "hidden_size": 8, "momentum": 0.9},
@@ -47,7 +47,7 @@ def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
         checkpoint={"every_steps": 4, "keep_last": 10},
     )
     spec.update(over)  # a section given here replaces the whole section
-    return submit_as_admin(sessions, spec)
+    return submit_as_admin(sessions, spec, settings=settings)
 
 
 def _paths(settings: Settings, job_id: str, *, attempt: int) -> RunPaths:
@@ -86,10 +86,10 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
 ) -> None:
     # Slow steps (the math is unchanged), so the kill lands mid-run, after a checkpoint.
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "sleep:ms=120")
-    reference = _submit(sessions, name="uninterrupted", **KEEP_BEST)
+    reference = _submit(sessions, settings, name="uninterrupted", **KEEP_BEST)
     assert run_attempt(job_id=reference, settings=settings) is JobStatus.SUCCEEDED
 
-    job_id = _submit(sessions, max_restarts=1, **KEEP_BEST)
+    job_id = _submit(sessions, settings, max_restarts=1, **KEEP_BEST)
     out: list[Any] = []
     thread = threading.Thread(target=lambda: out.append(run_attempt(job_id=job_id, settings=settings)))
     thread.start()
@@ -144,7 +144,7 @@ def test_after_the_last_allowed_restart_the_job_fails_with_the_reason(
     settings: Settings, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "raise:rank=1:step=2")
-    job_id = _submit(sessions, max_restarts=1, hyperparameters={"global_batch_size": 8, "steps": 4})
+    job_id = _submit(sessions, settings, max_restarts=1, hyperparameters={"global_batch_size": 8, "steps": 4})
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.QUEUED
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED, (
         "only the first failure restarts"
@@ -160,6 +160,7 @@ def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessio
     job_id = _submit(
         # An absurd learning rate overflows the loss within a few steps (as in tests/engine).
         sessions,
+        settings,
         max_restarts=3,
         hyperparameters={"global_batch_size": 32, "steps": 50, "lr": 100.0, "momentum": 0.9},
     )
@@ -172,7 +173,7 @@ def test_a_non_finite_loss_is_not_restarted(settings: Settings, sessions: sessio
 def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
-    job_id = _submit(sessions, max_restarts=2)
+    job_id = _submit(sessions, settings, max_restarts=2)
     with sessions.begin() as s:
         s.add(
             Checkpoint(

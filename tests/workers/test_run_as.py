@@ -60,9 +60,11 @@ def sessions(settings: Settings) -> sessionmaker[Session]:
     return session_factory(settings)
 
 
-def _python(sessions: sessionmaker[Session], code: str) -> str:
+def _python(sessions: sessionmaker[Session], settings: Settings, code: str) -> str:
     return submit_as_admin(
-        sessions, {"name": "run-as", "command": ["python", "-c", code], "hyperparameters": {"steps": 1}}
+        sessions,
+        {"name": "run-as", "command": ["python", "-c", code], "hyperparameters": {"steps": 1}},
+        settings=settings,
     )
 
 
@@ -75,6 +77,7 @@ def test_ranks_run_as_the_user_and_cannot_read_another_jobs_checkpoints(
     # Job A writes a "checkpoint" into its checkpoint directory, as its ranks' user.
     writer = _python(
         sessions,
+        settings,
         "import os; d = os.environ['DPTRAIN_CHECKPOINT_DIR']; "
         "open(os.path.join(d, 'secret.txt'), 'w').write('weights'); print('uid', os.getuid()); "
         "open(os.path.join(os.environ['DPTRAIN_OUTPUT_DIR'], 'model.bin'), 'w').write('kept')",
@@ -91,10 +94,10 @@ def test_ranks_run_as_the_user_and_cannot_read_another_jobs_checkpoints(
     secret_dir = settings.artifacts / "jobs" / writer / "checkpoints"
     assert (secret_dir / "secret.txt").read_text() == "weights"
     # Job B, the same user later, tries to read it.
-    reader = _python(sessions, f"print(open({str(secret_dir / 'secret.txt')!r}).read())")
+    reader = _python(sessions, settings, f"print(open({str(secret_dir / 'secret.txt')!r}).read())")
     assert run_attempt(job_id=reader, settings=settings) is JobStatus.FAILED
     error = JobError.model_validate(job_row(sessions, reader).error)
     assert error.type == refused, error
-    lister = _python(sessions, f"import os; print(os.listdir({str(secret_dir)!r}))")
+    lister = _python(sessions, settings, f"import os; print(os.listdir({str(secret_dir)!r}))")
     assert run_attempt(job_id=lister, settings=settings) is JobStatus.FAILED
     assert JobError.model_validate(job_row(sessions, lister).error).type == refused

@@ -28,15 +28,15 @@ from tests.workers.runs import (
     submit_as_admin,
     wait_step,
 )
-from workers import runner
+from workers.attempt import runner
+from workers.attempt.runner import run_node
 from workers.engine.checkpoint import checkpoint_files
-from workers.procs import rank_processes
-from workers.runner import run_node
+from workers.sandbox.procs import rank_processes
 
 settings, sessions = node_fixtures()
 
 
-def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
+def _submit(sessions: sessionmaker[Session], settings: Settings, **over: Any) -> str:
     spec = job_spec(
         name="runner",
         hyperparameters={"global_batch_size": 8, "steps": 4, "hidden_size": 8},
@@ -44,12 +44,12 @@ def _submit(sessions: sessionmaker[Session], **over: Any) -> str:
         checkpoint={"every_steps": 2},
     )
     spec.update(over)  # a section given here replaces the whole section
-    return submit_as_admin(sessions, spec)
+    return submit_as_admin(sessions, spec, settings=settings)
 
 
 @pytest.mark.e2e
 def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, sessions: sessionmaker) -> None:
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     attempt = place_here(settings, job_id=job_id)
     results: list[JobStatus | None] = []
 
@@ -72,7 +72,7 @@ def test_concurrent_duplicate_deliveries_run_the_job_once(settings: Settings, se
 def test_a_rank_that_raises_fails_the_job_with_its_rank_and_traceback(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "raise:rank=1:step=2")
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = job_row(sessions, job_id)
@@ -92,7 +92,7 @@ def test_a_failing_launcher_fails_the_job_with_a_launcher_error(
         raise OSError("no space left for spec.json")
 
     monkeypatch.setattr(runner, "_supervise", broken)
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error == JobError(type="LauncherError", message="OSError: no space left for spec.json"), error
@@ -103,7 +103,7 @@ def test_a_stored_spec_that_no_longer_validates_fails_the_attempt_unretried(
 ) -> None:
     # Written by an older version, or by hand: the worker refuses it with the reason, once, and
     # neither crashes nor starts torchrun nor restarts it (the same spec would fail again).
-    job_id = _submit(sessions, max_restarts=3)
+    job_id = _submit(sessions, settings, max_restarts=3)
     attempt = place_here(settings, job_id=job_id)
     with sessions.begin() as s:
         job = s.get(Job, job_id)
@@ -119,7 +119,7 @@ def test_a_stored_spec_that_no_longer_validates_fails_the_attempt_unretried(
 
 @pytest.mark.e2e
 def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: sessionmaker) -> None:
-    job_id = _submit(sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
+    job_id = _submit(sessions, settings, hyperparameters={"global_batch_size": 8, "steps": 10_000_000})
     thread, out = run_in_thread(settings, job_id)
     wait_step(sessions, job_id, 2)
     assert len(rank_processes(job_id)) >= 2, "both ranks run with the job id on their command line"
@@ -136,7 +136,7 @@ def test_cancel_stops_every_rank_of_a_running_job(settings: Settings, sessions: 
 
 
 def test_a_cancelled_queued_job_never_starts(settings: Settings, sessions: sessionmaker) -> None:
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     with sessions.begin() as s:
         admin = ensure_bootstrap_admin(s, token=ADMIN_TOKEN)
         service.cancel(s, user=admin, job_id=job_id)
@@ -148,7 +148,10 @@ def test_a_cancelled_queued_job_never_starts(settings: Settings, sessions: sessi
 @pytest.mark.e2e
 def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessionmaker) -> None:
     job_id = _submit(
-        sessions, hyperparameters={"global_batch_size": 8, "steps": 10_000_000}, max_runtime_seconds=2
+        sessions,
+        settings,
+        hyperparameters={"global_batch_size": 8, "steps": 10_000_000},
+        max_runtime_seconds=2,
     )
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = job_row(sessions, job_id)
@@ -159,7 +162,7 @@ def test_max_runtime_ends_the_job_as_failed(settings: Settings, sessions: sessio
 
 @pytest.mark.e2e
 def test_outputs_are_written_under_the_artifact_root(settings: Settings, sessions: sessionmaker) -> None:
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     job_dir = Path(settings.artifacts) / "jobs" / job_id
     assert list(checkpoint_files(job_dir / "checkpoints")) == [2, 4]
@@ -171,7 +174,7 @@ def test_a_rank_stuck_outside_a_collective_fails_the_job_after_the_timeout(
     settings: Settings, sessions: sessionmaker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "hang:rank=1:step=2")
-    job_id = _submit(sessions, engine={"collective_timeout_seconds": 5})
+    job_id = _submit(sessions, settings, engine={"collective_timeout_seconds": 5})
     thread, out = run_in_thread(settings, job_id)
     thread.join(timeout=120)
     assert not thread.is_alive(), "a stuck rank must end the job, not hang it"
@@ -189,13 +192,13 @@ def test_an_engine_job_that_makes_no_progress_ends_after_its_stall_timeout(
     # Rank 1 hangs and rank 0 waits in its collective, silent, well within the collective timeout:
     # only the stall watchdog ends it.
     monkeypatch.setenv("DPTRAIN_FAULT_INJECT", "hang:rank=1:step=2")
-    job_id = _submit(sessions, engine={"collective_timeout_seconds": 600}, stall_timeout_seconds=10)
+    job_id = _submit(sessions, settings, engine={"collective_timeout_seconds": 600}, stall_timeout_seconds=10)
     thread, out = run_in_thread(settings, job_id)
     thread.join(timeout=120)
     assert not thread.is_alive() and out == [JobStatus.FAILED], out
     error = JobError.model_validate(job_row(sessions, job_id).error)
     assert error.type == "Stalled" and "no progress for 10 s" in error.message, error
-    # Where each rank hung, read from outside the sandbox (workers/stacks.py): a forked engine rank
+    # Where each rank hung, read from outside the sandbox (workers/reporting/stacks.py): a forked engine rank
     # is named by its process name, and the hang is dptrain's own fault injection.
     assert "; rank 0 in " in error.message and "; rank 1 in Fault.maybe_fire (faults.py:" in error.message, (
         error
@@ -210,11 +213,11 @@ def test_the_end_of_a_run_frees_its_node_and_kicks_placement(
     from sqlalchemy import func, select
 
     from service.models import JobNode
-    from workers import runner
+    from workers.attempt import runner
 
     kicks: list[int] = []
     monkeypatch.setattr(runner, "on_release", [lambda: kicks.append(1)])
-    job_id = _submit(sessions)
+    job_id = _submit(sessions, settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     with sessions() as s:
         held = s.execute(select(func.count()).select_from(JobNode).where(JobNode.job_id == job_id)).scalar()
@@ -233,7 +236,7 @@ def test_a_rendezvous_that_never_completes_ends_the_attempt_and_frees_every_node
     from service.models.base import utcnow
     from service.scheduling import repository as placement
 
-    job_id = _submit(sessions, resources={"nodes": 2, "processes_per_node": 1})
+    job_id = _submit(sessions, settings, resources={"nodes": 2, "processes_per_node": 1})
     with sessions.begin() as s:
         job = lifecycle.claim(s, job_id=job_id, worker=settings.node)
         assert job is not None

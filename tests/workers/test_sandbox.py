@@ -22,7 +22,7 @@ from service.models import LogLine
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin, timeline
-from workers import sandbox
+from workers.sandbox import bubblewrap
 
 pytestmark = pytest.mark.e2e
 
@@ -32,9 +32,9 @@ settings, sessions = node_fixtures()
 ORPHANS = ("600.417", "601.417")
 
 
-def _command(sessions: sessionmaker[Session], *command: str, **over: object) -> str:
+def _command(sessions: sessionmaker[Session], settings: Settings, *command: str, **over: object) -> str:
     spec = {"name": "sandbox", "command": list(command), "hyperparameters": {"steps": 1}, **over}
-    return submit_as_admin(sessions, spec)
+    return submit_as_admin(sessions, spec, settings=settings)
 
 
 def _lines(sessions: sessionmaker[Session], job_id: str) -> list[str]:
@@ -52,15 +52,17 @@ def _orphans() -> list[psutil.Process]:
 
 
 def test_the_probe_finds_bubblewrap_here() -> None:
-    uid_gid = sandbox.nobody() if os.getuid() == 0 else (None, None)
-    assert sandbox.probe(*uid_gid) is None, "these tests need bwrap (apt install bubblewrap) and namespaces"
+    uid_gid = bubblewrap.nobody() if os.getuid() == 0 else (None, None)
+    assert bubblewrap.probe(*uid_gid) is None, (
+        "these tests need bwrap (apt install bubblewrap) and namespaces"
+    )
 
 
 def test_processes_a_job_starts_are_gone_within_seconds_of_its_end(
     settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
     background = f"sleep {ORPHANS[0]} & setsid sleep {ORPHANS[1]} </dev/null >/dev/null 2>&1 & sleep 4"
-    job_id = _command(sessions, "bash", "-c", background)
+    job_id = _command(sessions, settings, "bash", "-c", background)
     thread, out = run_in_thread(settings, job_id)
     deadline = time.monotonic() + 60
     while len(_orphans()) < 2 and thread.is_alive() and time.monotonic() < deadline:
@@ -93,7 +95,7 @@ def test_ranks_are_not_root_have_no_new_privileges_and_see_only_their_attempt(
         + ", ".join(f"{k!r}: {v}" for k, v in facts.items())
         + "}))"
     )
-    job_id = _command(sessions, "python", "-c", probe)
+    job_id = _command(sessions, settings, "python", "-c", probe)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED
     printed = [line for line in _lines(sessions, job_id) if line.startswith("FACTS ")]
     assert printed, _lines(sessions, job_id)
@@ -119,7 +121,7 @@ def test_a_cancel_still_reaches_the_program_inside_with_sigterm_first(
 ) -> None:
     # A program that ignores should_stop(): the runner's SIGTERM, after the grace, must reach it.
     script = "trap 'echo got TERM; exit 0' TERM; echo started; sleep 1000 & wait"
-    job_id = _command(sessions, "bash", "-c", script)
+    job_id = _command(sessions, settings, "bash", "-c", script)
     thread, out = run_in_thread(settings, job_id)
     deadline = time.monotonic() + 60
     while "started" not in _lines(sessions, job_id) and time.monotonic() < deadline:
@@ -139,7 +141,7 @@ def test_torch_compile_builds_and_caches_inside(settings: Settings, sessions: se
         hyperparameters={"global_batch_size": 8, "steps": 3, "hidden_size": 8},
         engine={"compile": True},
     )
-    job_id = submit_as_admin(sessions, spec)
+    job_id = submit_as_admin(sessions, spec, settings=settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.SUCCEEDED, job_row(
         sessions, job_id
     ).error
@@ -151,7 +153,7 @@ def test_sandbox_off_runs_unsandboxed_and_the_timeline_says_so(
 ) -> None:
     # Off on purpose: what this test checks is the operator's off switch and the timeline's word on it.
     off = settings.model_copy(update={"sandbox": "off"})
-    job_id = _command(sessions, "python", "-c", "import os; print('uid', os.getuid())")
+    job_id = _command(sessions, settings, "python", "-c", "import os; print('uid', os.getuid())")
     assert run_attempt(job_id=job_id, settings=off) is JobStatus.SUCCEEDED
     running = [reason or "" for status, reason in timeline(sessions, job_id) if status == "running"]
     assert len(running) == 1 and "ranks not sandboxed (DPTRAIN_SANDBOX=off)" in running[0], running

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from rank_contract.layout import JobFiles
-from workers import sandbox
-from workers.sandbox import Box, bwrap_argv
-from workers.scratch import make_scratch, remove_earlier, remove_scratch, short_tmp
+from workers.sandbox import bubblewrap
+from workers.sandbox.bubblewrap import Box, bwrap_argv
+from workers.sandbox.scratch import make_scratch, remove_earlier, remove_scratch, short_tmp
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -100,7 +100,7 @@ class TestMounts:
     def test_gpus_are_device_bound_on_cuda_nodes_only(
         self, box: Box, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        monkeypatch.setattr(sandbox.glob, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidiactl"])
+        monkeypatch.setattr(bubblewrap.glob, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidiactl"])
         assert "--dev-bind" not in bwrap_argv(box, TORCHRUN)
         mounts = _mounts(bwrap_argv(Box(**{**box.__dict__, "gpus": True}), TORCHRUN))
         assert mounts["/dev/nvidia0"] == ("--dev-bind", "/dev/nvidia0")

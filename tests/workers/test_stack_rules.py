@@ -9,8 +9,8 @@ import pytest
 
 from api_schemas import StackFrame
 from rank_contract.stacks import collective_timed_out
-from workers import stacks
-from workers.stacks import Library, describe
+from workers.reporting import stacks
+from workers.reporting.stacks import Library, describe
 
 LIB = Library(python=("/py/",), ours=("/repo/workers/",))
 

@@ -28,7 +28,7 @@ from tests.workers.runs import (
     submit_as_admin,
     timeline,
 )
-from workers.procs import rank_processes
+from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -109,7 +109,7 @@ def hung(
 ) -> tuple[str, JobStacks, JobStatus]:
     """A hung job: its stacks asked for while it hangs, then its end (the stall watchdog's)."""
     # Long enough for the request below to be answered before the watchdog ends the hang.
-    job_id = submit_as_admin(sessions, _spec(settings, code_sha, stall_timeout_seconds=20))
+    job_id = submit_as_admin(sessions, _spec(settings, code_sha, stall_timeout_seconds=20), settings=settings)
     thread, out = run_in_thread(settings, job_id)
     try:
         _wait_ready(sessions, job_id)
@@ -174,7 +174,7 @@ def test_stacks_of_a_job_that_is_not_running_are_a_409_and_of_an_unknown_one_a_4
 def test_a_collective_timeout_names_where_the_rank_still_alive_was(
     settings: Settings, sessions: sessionmaker[Session], code_sha: str
 ) -> None:
-    job_id = submit_as_admin(sessions, _spec(settings, code_sha, "--timeout"))
+    job_id = submit_as_admin(sessions, _spec(settings, code_sha, "--timeout"), settings=settings)
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     error = JobError.model_validate(job_row(sessions, job_id).error)
     # Rank 0's own error, then where rank 1 was when the worker saw it: rank 0 waited for that dump

@@ -11,8 +11,8 @@ Here the agent pays them once before launching, and torchrun's `--start-method f
 `--run-path` starts each rank as a fork of this process, with both modules already loaded (pages
 shared copy-on-write).
 
-CPU jobs only (see launch.torchrun_command): a CUDA context cannot cross a fork, and the import
-of torch._dynamo may probe the driver, so CUDA ranks keep starting as fresh interpreters.
+CPU jobs only (see workers.attempt.launch.torchrun_command): a CUDA context cannot cross a fork, and
+the import of torch._dynamo may probe the driver, so CUDA ranks keep starting as fresh interpreters.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def load_failure(where: str, exc: BaseException) -> LoadFailure:
 class DataLoadError(RuntimeError):
     """Reading a sample failed (the dataset's code or the data): names the rank, the step and the sample.
 
-    Not retried: a restart would read the same sample again (workers/attempts.py)."""
+    Not retried: a restart would read the same sample again (workers/attempt/end.py)."""
 
 
 class DataReadError(DataLoadError):

@@ -3,7 +3,7 @@
 The names of sidecars and of temp files are defined here and nowhere else; the names of checkpoint
 files and the step a name stands for live in `rank_contract.checkpoints` (re-exported here), which
 the API reads too. torch is imported only where a checkpoint is written or read, so that the Celery
-worker process, which lists and matches checkpoint files (`workers/checkpoint_rows.py`), can use
+worker process, which lists and matches checkpoint files (`workers/attempt/checkpoint_rows.py`), can use
 the same functions without loading torch.
 """
 

@@ -1,7 +1,7 @@
 """The events a rank writes and the runner reads: one typed model per kind, one JSON line per event.
 
 Both sides import these models: the ranks (`EventWriter`) to write them, the runner's reporter
-(`workers/reporting.py`) to read them back with `parse_event`. This module stays torch-free: the
+(`workers/reporting/reporter.py`) to read them back with `parse_event`. This module stays torch-free: the
 Celery worker process imports it and never loads torch.
 """
 
@@ -144,7 +144,7 @@ class EventWriter:
     def emit_many(self, events: Sequence[Event]) -> None:
         """Write the events, one line each, in one write and one flush."""
         if self._f is not None and events:
-            # Still one line per event, all in a single write: readers (workers/tail.py) take whole
+            # Still one line per event, all in a single write: readers (workers/reporting/tail.py) take whole
             # lines only, so a batch is never seen cut except by a crash mid-write, as for one event.
             self._f.write("".join(e.model_dump_json() + "\n" for e in events))
             self._f.flush()

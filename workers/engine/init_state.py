@@ -62,7 +62,7 @@ def start_from_init(trainer: Trainer, path: Path) -> int:
             _load_weights(trainer, loaded.state["model"])
     except (RuntimeError, KeyError) as exc:
         # Another model's (or optimizer's) state: the same file fails the same way at every restart,
-        # and a ValueError is not retried (workers/attempts.py). No collective runs in here.
+        # and a ValueError is not retried (workers/attempt/end.py). No collective runs in here.
         raise ValueError(f"init_from: {path.name} does not fit this job's plan: {exc}") from exc
     how = "continuing" if resume else "fine-tuning: model weights only"
     print(f"started from init_from {loaded.path} (step {loaded.step}; {how}; iter {trainer.iter})")

@@ -51,7 +51,7 @@ class LoaderProcessError(RuntimeError):
     """A loader process raised outside a sample's read (that is a DataLoadError), or sending its batch.
 
     Reported under the loader's own exception type (`reported_type`, read by events.describe), so
-    the job's error names it and workers/attempts.NOT_RETRIED judges it as if the rank had raised it:
+    the job's error names it and workers/attempt/end.NOT_RETRIED judges it as if the rank had raised it:
     an object pickle refuses (TypeError, PicklingError) fails again on a restart, an OSError may not.
     """
 

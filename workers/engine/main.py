@@ -1,4 +1,4 @@
-"""Engine entry point, one process per rank (see workers.engine.launch.torchrun_command).
+"""Engine entry point, one process per rank (see workers.attempt.launch.torchrun_command).
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m workers.engine.main \
         --job-id JOBID --spec RUN_DIR/spec.json --run-dir RUN_DIR --checkpoint-dir CKPT_DIR
@@ -12,12 +12,10 @@ Without torchrun's RANK/WORLD_SIZE it runs as a single rank with no process grou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -25,8 +23,8 @@ from rank_contract.env import INIT_CHECKPOINT_ENV, SUPERVISOR_ENV
 from rank_contract.layout import RunFiles
 from rank_contract.stacks import await_dump, collective_timed_out, name_this_rank
 from workers.engine.events import EventWriter
-from workers.engine.launch import watch_supervisor
 from workers.engine.loader_faults import loader_failure
+from workers.engine.process import default_signals, own_session, redirect_output, watch_supervisor
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -40,33 +38,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True, type=Path, help="events/ and logs/ go here")
     p.add_argument("--checkpoint-dir", required=True, type=Path)
     return p.parse_args(argv)
-
-
-def redirect_output(log_path: Path) -> Callable[[], None]:
-    """Point fds 1 and 2 (and so C/C++ output too) at `log_path`, appending; returns an undo function."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    saved = (os.dup(1), os.dup(2))
-    # 0600: a rank's output may print its data or its secrets; the worker, its owner, reads it.
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    # Line buffering, so the launcher shipping the file sees whole lines promptly, not 8 KiB blocks.
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)
-
-    def restore() -> None:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
-
-    return restore
 
 
 def run(args: argparse.Namespace, events: EventWriter) -> None:
@@ -149,34 +120,6 @@ def run(args: argparse.Namespace, events: EventWriter) -> None:
         print(f"job {args.job_id}: rank {env.rank} done")
     finally:
         distributed.destroy()
-
-
-def default_signals() -> None:
-    """Give this process the signal handlers of a fresh interpreter.
-
-    A rank forked from torchrun's agent inherits the agent's handlers, which turn SIGTERM into an
-    exception; a cancel (SIGTERM to the launcher's process group) must end a rank the way it ends a
-    rank started by exec, without an error of its own.
-    """
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def own_session() -> None:
-    """Make this rank the leader of a session of its own, as plain torchrun starts every rank.
-
-    A rank forked by workers.engine.agent is otherwise in the agent's session, and so, with the
-    kernel's scheduler autogroups (one CPU scheduling group per session; on by default in Debian's
-    kernel), in one group with its sibling ranks: their compute threads and Gloo's wake-ups then
-    preempt each other as equals, where a session per rank lets the scheduler keep each rank's
-    threads together. A cancel still reaches the rank: the agent
-    forwards SIGTERM to each of its ranks, and the runner sweeps ranks by job id afterwards, as for
-    plain torchrun's.
-    """
-    # A rank of plain torchrun already leads its session (start_new_session): setsid refuses then.
-    with contextlib.suppress(PermissionError):
-        os.setsid()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

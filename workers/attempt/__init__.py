@@ -1,0 +1,1 @@
+"""One node's part of an attempt, in the node process: accepted, launched, watched, ended."""

@@ -1,0 +1,1 @@
+"""Per-job Python environments (not environment variables): their key, cache, build and setup."""

@@ -1,0 +1,1 @@
+"""Where and as whom the ranks run: the code tree, their variables, bubblewrap, scratch, processes."""
