@@ -350,7 +350,7 @@ _NOT_THE_LAYOUTS = frozenset({("tmp", "root / 'setup'"), ("tmp", "setup")})
 _HOLE = "\x00"  # what an f-string's `{...}` stands for
 
 
-def _module_strings(tree: ast.Module) -> dict[str, str]:
+def _string_constants(tree: ast.Module) -> dict[str, str]:
     """`NAME = "text"` (and `A, B = "a", "b"`) at module level: names a path may be built from."""
     found: dict[str, str] = {}
     for node in tree.body:
@@ -399,7 +399,7 @@ def _layout_name_in(text: str) -> str | None:
 def _layout_paths_built(source: str) -> list[tuple[int, str]]:
     """(line, name) for each path `source` builds from a name of the job layout."""
     tree = ast.parse(source)
-    strings = _module_strings(tree)
+    strings = _string_constants(tree)
     found = []
     for node in ast.walk(tree):
         joined: list[tuple[ast.expr, ast.expr | None]] = []
