@@ -40,6 +40,7 @@ import torch
 
 from api_schemas.data import OutsideDataRoot, UnresolvableDataPath, resolve_in_root
 from rank_contract.env import DATA_ROOT_ENV
+from rank_contract.failures import Failure, named
 
 __all__ = ["DataPathError", "Shards", "Stream", "TokenFile", "data_path"]
 
@@ -47,6 +48,7 @@ TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SHARD_SUFFIXES = (".pt", ".npy")
 
 
+@named(Failure.DATA_PATH_ERROR)
 class DataPathError(PermissionError):
     """A data path that is not a file or directory inside the data root (or no data root at all)."""
 

@@ -275,6 +275,45 @@ def test_the_ranks_environment_names_import_without_torch() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_failure_types_are_named_only_where_they_are_declared() -> None:
+    # The retry rule judges a failure by its type's name (workers/attempt/end.py), and each of our
+    # types declares whether it is retried in rank_contract/failures.py. A name written out anywhere
+    # else survives a rename there and silently becomes another type, retried by default; a literal
+    # given to JobError or ErrorEvent is a type the registry does not know at all.
+    from rank_contract.failures import Failure
+
+    registry = ROOT / "rank_contract" / "failures.py"
+    names = {failure.value for failure in Failure}
+    found: list[str] = []
+    for top in ("workers", "service", "rank_contract", "api_schemas"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path == registry:
+                continue
+            tree = ast.parse(path.read_text())
+            # `__all__` names an exception class of that name, not its wire type.
+            exported = {
+                id(c)
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                for c in ast.walk(node.value)
+            }
+            for node in ast.walk(tree):
+                where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.Call):
+                    called = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                    found += [
+                        f"{where}: {called}({kw.arg}={kw.value.value!r})"
+                        for kw in node.keywords
+                        if called in ("JobError", "ErrorEvent")
+                        and kw.arg in ("type", "error_type")
+                        and isinstance(kw.value, ast.Constant)
+                    ]
+                elif isinstance(node, ast.Constant) and node.value in names and id(node) not in exported:
+                    found.append(f"{where}: {node.value!r}")
+    assert found == [], f"failure types named outside rank_contract/failures.py (use Failure): {found}"
+
+
 def _our_top_level_packages() -> list[str]:
     """The top-level packages pyproject's packages.find ships: every one of ours, new ones included."""
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
@@ -739,3 +778,83 @@ def test_sweeps_never_write_a_trials_status() -> None:
             if is_update and path != lifecycle:
                 writes.append(f"{where}: update()")
     assert writes == [], f"status or state written outside service/sweeps/lifecycle.py: {writes}"
+
+
+# Who the ranks run as is decided once per attempt (workers/sandbox/rank_setup.ranks_user) and
+# passed along as a RunAs: making one, leasing a uid, picking nobody or asking whether the worker is
+# root anywhere else in workers/ decides it again.
+RANKS_USER_DECIDER = "workers/sandbox/rank_setup.py"
+RANKS_USER_CALLS = {
+    "RunAs",
+    "RunAs.named",
+    "RunAs.leased",
+    "rank_uids.leased",
+    "rank_uids.acquire_shared",
+    "leased",
+    "acquire_shared",
+    "bubblewrap.nobody",
+    "nobody",
+}
+# bubblewrap's probe tries the sandbox as nobody under a root worker, a stand-in for whichever
+# unprivileged user ranks_user later picks: it says whether this host can sandbox, for no attempt.
+RANKS_USER_STAND_INS = {("workers/sandbox/bubblewrap.py", "unavailable")}
+
+
+def _ranks_user_decisions(source: str) -> list[tuple[str, str]]:
+    """(enclosing function, what) for each place in `source` that decides who the ranks run as."""
+    found: list[tuple[str, str]] = []
+
+    def is_root_check(node: ast.Compare) -> bool:
+        sides = [node.left, *node.comparators]
+        asks = any(
+            isinstance(s, ast.Call)
+            and ast.unparse(s.func) in {"os.getuid", "os.geteuid", "getuid", "geteuid"}
+            for s in sides
+        )
+        return asks and any(isinstance(s, ast.Constant) and s.value == 0 for s in sides)
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Call) and (callee := ast.unparse(node.func)) in RANKS_USER_CALLS:
+            found.append((function, f"{callee}()"))
+        if isinstance(node, ast.Compare) and is_root_check(node):
+            found.append((function, ast.unparse(node)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_only_rank_setup_decides_who_the_ranks_run_as() -> None:
+    decided = {
+        (rel, function, what)
+        for path in sorted((ROOT / "workers").rglob("*.py"))
+        if (rel := str(path.relative_to(ROOT))) != RANKS_USER_DECIDER
+        for function, what in _ranks_user_decisions(path.read_text())
+    }
+    again = sorted(d for d in decided if d[:2] not in RANKS_USER_STAND_INS)
+    assert again == [], f"who the ranks run as is decided again outside {RANKS_USER_DECIDER}: {again}"
+    decider = _ranks_user_decisions((ROOT / RANKS_USER_DECIDER).read_text())
+    assert {f for f, _ in decider} == {"ranks_user"}, f"ranks_user alone decides: {decider}"
+
+
+def test_the_ranks_user_rule_catches_a_second_decision() -> None:
+    # How the environment's installer once chose its user for itself, and how a launcher might.
+    again = """
+def enter(setup, settings):
+    run_as = setup.run_as
+    uid = run_as.uid if run_as is not None and os.getuid() == 0 else None
+    return RunAs.named(settings.run_as) if settings.run_as else uid
+
+def user(hold, settings):
+    return hold.enter_context(rank_uids.leased(settings.rank_uids)) if os.geteuid() != 0 else nobody()
+"""
+    assert _ranks_user_decisions(again) == [
+        ("enter", "os.getuid() == 0"),
+        ("enter", "RunAs.named()"),
+        ("user", "os.geteuid() != 0"),
+        ("user", "rank_uids.leased()"),
+        ("user", "nobody()"),
+    ]

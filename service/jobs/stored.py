@@ -14,9 +14,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from api_schemas import EnvironmentBuild, JobError, JobSpec
+from rank_contract.failures import Failure
 
 # JobError.type of a job whose stored spec cannot be run.
-INVALID_SPEC = "InvalidSpec"
+INVALID_SPEC = Failure.INVALID_SPEC
 # Passes of leaving out the fields that fail: leaving some out can bring up errors they hid (a
 # model's own checks run only once its fields validate).
 _SALVAGE_PASSES = 3
@@ -79,7 +80,7 @@ def shown_error(stored: Any) -> JobError | None:
         return JobError.model_validate(stored)
     except ValidationError as exc:
         message = f"the stored error does not validate ({describe(exc)}): {stored!r}"
-        return JobError(type="InvalidError", message=message[:_MAX_MESSAGE])
+        return JobError(type=Failure.INVALID_ERROR, message=message[:_MAX_MESSAGE])
 
 
 def shown_environment(stored: Any) -> EnvironmentBuild | None:

@@ -18,9 +18,9 @@ from service.jobs import service
 from tests.api_fixtures import ADMIN_TOKEN
 from tests.conftest import job_spec
 from tests.workers.runs import job_row, node_fixtures, place_here, submit_as_admin, timeline
-from workers.attempt import end
+from workers.attempt import end, runner
 from workers.attempt.node_run import Attempt, NodeRun, RunPaths
-from workers.attempt.watch import Watch
+from workers.attempt.watch import StopReason, Watch
 from workers.engine.events import CheckpointEvent, EventWriter, FinishedEvent, MetricsEvent, StartedEvent
 from workers.reporting.reporter import Reporter
 
@@ -36,7 +36,7 @@ def _end_after_stop(
     last_step: int,
     finished: bool,
     node_rank: int = 0,
-    stop: str = "cancel",
+    stop: StopReason = StopReason.CANCEL,
 ) -> tuple[str, JobStatus]:
     """Run a job to `last_step` (checkpointed; `finished`: the engine said so), stop it, end it.
 
@@ -53,7 +53,7 @@ def _end_after_stop(
     if finished:
         events.emit(FinishedEvent(step=last_step))
     events.close()
-    if stop == "cancel":
+    if stop is StopReason.CANCEL:
         with sessions.begin() as s:
             service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
     job = job_row(sessions, job_id)
@@ -62,7 +62,8 @@ def _end_after_stop(
         sessions=sessions, job_id=job_id, attempt=attempt, claim_token=att.token, run_dir=paths.run.folder
     )
     reporter.collect(final=True)
-    assert reporter.flush() and reporter.state.cancel_requested == (stop == "cancel"), "the runner reads it"
+    cancelled = stop is StopReason.CANCEL
+    assert reporter.flush() and reporter.state.cancel_requested == cancelled, "the runner reads it"
     # The runner saw the request (or the deadline) and signalled torchrun's group, whose ranks died of it.
     watch = Watch(stall_seconds=60, grace=1, stop_file=None)
     watch.stop(stop)
@@ -114,7 +115,7 @@ class TestCancelRace:
         self, settings: Settings, sessions: sessionmaker[Session], finished: bool
     ) -> None:
         job_id, status = _end_after_stop(
-            settings, sessions, last_step=STEPS, finished=finished, stop="deadline"
+            settings, sessions, last_step=STEPS, finished=finished, stop=StopReason.DEADLINE
         )
         job = job_row(sessions, job_id)
         if finished:
@@ -123,3 +124,32 @@ class TestCancelRace:
         else:
             assert (status, job.status) == (JobStatus.FAILED, "failed")
             assert job.error is not None and job.error["type"] == "DeadlineExceeded", job.error
+
+    @pytest.mark.parametrize("node_rank", [0, 1])
+    def test_a_cancel_while_the_environment_is_prepared_ends_the_job_the_same_way(
+        self, settings: Settings, sessions: sessionmaker[Session], node_rank: int
+    ) -> None:
+        # No rank ever started: the one cancel path (end.end_cancelled) records it as not finished,
+        # from whichever node was preparing (none of them has ranks that could have finished first).
+        job_id = submit_as_admin(sessions, job_spec(name="prep"), settings=settings)
+        attempt = place_here(settings, job_id=job_id)
+        with sessions.begin() as s:
+            service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
+        job = job_row(sessions, job_id)
+        att = Attempt(job_id=job_id, number=attempt, token=str(job.claim_token), max_restarts=0)
+        paths = RunPaths(JobFiles(settings.artifacts, job_id), attempt, node_rank)
+        reporter = Reporter(
+            sessions=sessions, job_id=job_id, attempt=attempt, claim_token=att.token, run_dir=paths.run.folder
+        )
+        assert reporter.flush() and reporter.state.cancel_requested, "the report loop reads the request"
+        run = NodeRun(
+            att=att,
+            node_rank=node_rank,
+            nnodes=2,
+            spec=JobSpec.model_validate(job.spec),
+            rendezvous=None,
+            address="",
+        )
+        status = runner._stopped_while_preparing(sessions, run=run, reporter=reporter)
+        assert (status, job_row(sessions, job_id).status) == (JobStatus.CANCELLED, "cancelled")
+        assert timeline(sessions, job_id)[-1] == ("cancelled", "cancel requested")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,42 +29,55 @@ def _mounts(argv: list[str]) -> dict[str, tuple[str, str]]:
     return found
 
 
+@dataclass(frozen=True)
+class Folders:
+    """The folders of one node's attempt that its sandbox binds."""
+
+    run_dir: Path
+    checkpoint_dir: Path
+    output_dir: Path
+    code_dir: Path
+    data_root: Path
+
+
 @pytest.fixture
-def box(tmp_path: Path) -> Box:
-    """A node's sandbox as the worker makes it: DPTRAIN_HOME holds the code cache, artifacts live apart."""
+def folders(tmp_path: Path) -> Folders:
+    """DPTRAIN_HOME holds the code cache, artifacts live apart."""
     home = tmp_path / "home"
     code = home / "code-cache" / ("ab" * 32)
     run_dir = tmp_path / "artifacts" / "jobs" / "j1" / "attempt-1" / "node-0"
     for folder in (code, run_dir, tmp_path / "data"):
         folder.mkdir(parents=True)
     (home / "token").write_text("secret")
-    scratch = make_scratch(run_dir, code)
+    job_dir = run_dir.parents[1]
+    return Folders(run_dir, job_dir / "checkpoints", job_dir / "outputs", code, tmp_path / "data")
+
+
+@pytest.fixture
+def box(folders: Folders) -> Box:
+    """A node's sandbox as the worker makes it (workers/sandbox/rank_setup.prepare)."""
+    scratch = make_scratch(folders.run_dir, folders.code_dir)
     return Box(
-        run_dir=run_dir,
-        checkpoint_dir=run_dir.parents[1] / "checkpoints",
-        output_dir=run_dir.parents[1] / "outputs",
         workdir=scratch.workdir,
         tmp_dir=scratch.tmp,
-        code_dir=code,
-        data_root=tmp_path / "data",
+        writable=(folders.run_dir, folders.checkpoint_dir, folders.output_dir),
+        read_only=(folders.code_dir, folders.data_root),
     )
 
 
 class TestMounts:
-    def test_the_attempts_folders_are_writable_at_their_host_paths(self, box: Box) -> None:
+    def test_the_attempts_folders_are_writable_at_their_host_paths(self, box: Box, folders: Folders) -> None:
         mounts = _mounts(bwrap_argv(box, TORCHRUN))
-        assert mounts[str(box.run_dir)] == ("--bind", str(box.run_dir))
-        assert mounts[str(box.checkpoint_dir)] == ("--bind", str(box.checkpoint_dir))
-        assert box.output_dir is not None
-        assert mounts[str(box.output_dir)] == ("--bind", str(box.output_dir)), "DPTRAIN_OUTPUT_DIR"
+        assert mounts[str(folders.run_dir)] == ("--bind", str(folders.run_dir))
+        assert mounts[str(folders.checkpoint_dir)] == ("--bind", str(folders.checkpoint_dir))
+        assert mounts[str(folders.output_dir)] == ("--bind", str(folders.output_dir)), "DPTRAIN_OUTPUT_DIR"
         assert mounts["/tmp"] == ("--bind", str(box.tmp_dir)), "/tmp is the attempt's own tmp"
 
-    def test_code_data_python_and_system_are_read_only(self, box: Box) -> None:
+    def test_code_data_python_and_system_are_read_only(self, box: Box, folders: Folders) -> None:
         mounts = _mounts(bwrap_argv(box, TORCHRUN))
-        assert box.code_dir is not None and box.data_root is not None
         for path in (
-            box.code_dir,
-            box.data_root,
+            folders.code_dir,
+            folders.data_root,
             Path(os.path.realpath(sys.base_prefix)),
             Path("/usr"),
             Path("/etc"),
@@ -71,14 +86,16 @@ class TestMounts:
                 f"{path} read-only: {mounts.get(str(path))}"
             )
         writable = {dest for dest, (option, _) in mounts.items() if option != "--ro-bind"}
-        assert writable == {str(box.run_dir), str(box.checkpoint_dir), str(box.output_dir), "/tmp"}, writable
+        expected = {str(folders.run_dir), str(folders.checkpoint_dir), str(folders.output_dir), "/tmp"}
+        assert writable == expected, writable
 
-    def test_nothing_else_of_dptrain_home_and_not_the_repository_root(self, box: Box) -> None:
-        assert box.code_dir is not None
-        home = box.code_dir.parents[1]
+    def test_nothing_else_of_dptrain_home_and_not_the_repository_root(
+        self, box: Box, folders: Folders
+    ) -> None:
+        home = folders.code_dir.parents[1]
         sources = {Path(source) for _, source in _mounts(bwrap_argv(box, TORCHRUN)).values()}
         under_home = {s for s in sources if s == home or home in s.parents}
-        assert under_home == {box.code_dir}, f"only the job's own code tree of DPTRAIN_HOME: {under_home}"
+        assert under_home == {folders.code_dir}, f"only the job's own code tree of DPTRAIN_HOME: {under_home}"
         assert not [s for s in sources if s in home.parents], "no folder above DPTRAIN_HOME is bound"
         # In development our packages are an editable install of this repository, whose root may hold
         # the default DPTRAIN_HOME (.dptrain): each package folder is bound, never the root.
@@ -102,14 +119,14 @@ class TestMounts:
     ) -> None:
         monkeypatch.setattr(bubblewrap.glob, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidiactl"])
         assert "--dev-bind" not in bwrap_argv(box, TORCHRUN)
-        mounts = _mounts(bwrap_argv(Box(**{**box.__dict__, "gpus": True}), TORCHRUN))
+        mounts = _mounts(bwrap_argv(dataclasses.replace(box, gpus=True), TORCHRUN))
         assert mounts["/dev/nvidia0"] == ("--dev-bind", "/dev/nvidia0")
         assert mounts["/dev/nvidiactl"] == ("--dev-bind", "/dev/nvidiactl")
 
 
 class TestUser:
     def test_a_root_workers_sandbox_switches_to_the_ranks_user_with_no_new_privileges(self, box: Box) -> None:
-        argv = bwrap_argv(Box(**{**box.__dict__, "uid": 65534, "gid": 65534}), TORCHRUN)
+        argv = bwrap_argv(dataclasses.replace(box, uid=65534, gid=65534), TORCHRUN)
         switch = argv[argv.index("--") + 1 : -len(TORCHRUN)]
         assert switch[0].endswith("/setpriv") and "--reuid=65534" in switch and "--regid=65534" in switch
         assert {"--clear-groups", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"} <= set(switch)

@@ -61,7 +61,7 @@ def accept(
             spec = JobSpec.model_validate(job.spec)
         except ValidationError as exc:
             message = f"the stored spec does not validate: {describe(exc)}"
-            return Unrunnable(att=att, error=JobError(type="ValidationError", message=message))
+            return Unrunnable(att=att, error=JobError(type=ValidationError.__name__, message=message))
         nnodes = spec.resources.nodes
         rendezvous = None
         if nnodes > 1:

@@ -2,7 +2,7 @@
 
 Like the outputs (workers/attempt/outputs.py): a walk that follows no link, every few seconds while the
 ranks run and again at the attempt's end; past the cap the ranks are stopped and the job fails with
-CheckpointTooLarge, which a restart would only meet again (workers/attempt/end.NOT_RETRIED).
+CheckpointTooLarge, which a restart would only meet again (rank_contract/failures.py).
 
 Everything in the folder counts, not only checkpoints: sidecars, temp files of a save, a best
 marker, and whatever junk the ranks write there, folders and links included. Each entry counts
@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from api_schemas import JobError
+from rank_contract.failures import Failure
 from workers.attempt.outputs import CHECK_SECONDS, size_text
 from workers.attempt.periodic_check import PeriodicCheck
 
-ERROR_TYPE = "CheckpointTooLarge"
 SETTING = "DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB"
 
 
@@ -53,7 +53,7 @@ def over_cap(directory: Path, *, cap: int) -> JobError | None:
         f"the job's checkpoint folder holds at least {size_text(held)}, "
         f"over the {size_text(cap)} cap ({SETTING})"
     )
-    return JobError(type=ERROR_TYPE, message=message)
+    return JobError(type=Failure.CHECKPOINT_TOO_LARGE, message=message)
 
 
 class CheckpointGuard(PeriodicCheck):

@@ -5,19 +5,22 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from pickle import PicklingError
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.failures import Failure
 from rank_contract.files import read_file
 from service.jobs import lifecycle
 from workers.attempt.node_run import Attempt, NodeRun, RunPaths
+from workers.attempt.watch import StopReason, Watch
 from workers.engine.events import TRACEBACK_TAIL_LINES
 from workers.reporting.rank_text import escape_strings, escape_text
 
 if TYPE_CHECKING:
-    from workers.attempt.watch import Watch
     from workers.reporting.reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -28,71 +31,41 @@ FINISH_RETRY_SECONDS = 3600
 # How much of the launcher log's end is read for the traceback of a failed launch.
 _TAIL_BYTES = 64 << 10
 
-# Errors a rank raises that a restart would only repeat: bugs in the training code or its spec, and
-# a non-finite loss (resuming from the last checkpoint replays the same steps bitwise). Anything
-# else -- a signal, a lost peer (Gloo/NCCL errors are RuntimeErrors), an OOM, a timeout, the
-# launcher itself -- is retried while the job has restarts left. Names are class names, as the
-# engine and a command's rank report them (workers/command/failure.py): a subclass is listed itself.
-# See docs/reliability.md.
-NOT_RETRIED = frozenset(
-    {
-        "FloatingPointError",
-        "ValueError",
-        # pydantic's, for a spec.json its JobSpec refuses (a ValueError, but named as itself).
-        "ValidationError",
-        "TypeError",
-        "KeyError",
-        "IndexError",
-        "AttributeError",
-        "NameError",
-        "UnboundLocalError",
-        "ImportError",
-        "ModuleNotFoundError",
-        "SyntaxError",
-        # A command's main file that does not compile (SyntaxError's own subclasses).
-        "IndentationError",
-        "TabError",
-        "AssertionError",
-        "NotImplementedError",
-        "PermissionError",
-        "CheckpointMissing",
-        # The job's code archive is hostile, damaged or gone, or its command names no program.
-        "UnsafeArchive",
-        "CodeCorrupt",
-        "CodeMissing",
-        "CommandNotFound",
-        "CommandNotExecutable",
-        # engine.compile's backend cannot run on the worker (no C++ compiler, no Triton): a setup
-        # fault that a restart would only meet again (workers/engine/compile.py).
-        "CompileUnavailable",
-        # A data path outside the data root (or no data root on the worker); a sample the plan's
-        # dataset cannot read for a reason other than I/O (DataReadError, an OSError's, is retried).
-        "DataPathError",
-        "DataLoadError",
-        # A loader process raised outside a sample's read (workers/engine/loader_faults.py): the rank
-        # reports the loader's own exception type, judged here like the rank's own. A batch that
-        # pickle refuses (PicklingError; TypeError, AttributeError above) is refused again by the same
-        # code. LoaderProcessDied (a signal: the OOM killer, a kill from outside) and LoaderTimeout (a
-        # loader stuck, most often on a read from network storage) are retried: they need not repeat.
-        "PicklingError",
-        # The job's DPTRAIN_OUTPUT_DIR is over its limits (workers/attempt/outputs.py): the same script
-        # writes the same outputs again.
-        "OutputTooLarge",
-        # Its checkpoint folder is over DPTRAIN_MAX_CHECKPOINT_BYTES_PER_JOB
-        # (workers/attempt/checkpoint_cap.py): the same saves fill it again.
-        "CheckpointTooLarge",
-        # The job's init_from checkpoint is gone or not the bytes recorded at submit
-        # (workers/attempt/init_checkpoint.py): a restart reads the same file.
-        "InitCheckpointMismatch",
-        "InitCheckpointMissing",
-        # The job's environment cannot be built (the resolver's refusal, a missing package, the index
-        # unreachable past the build's timeout) or its requirements file is not in the code
-        # (workers/pyenv/environments.py): the same requirements meet the same index again.
-        "EnvironmentBuildFailed",
-        "RequirementsFileMissing",
-        # The build wrote past DPTRAIN_MAX_ENV_BYTES: the same requirements write as much again.
-        "EnvironmentTooLarge",
-    }
+# Exceptions that are not ours, which a rank's code raises and a restart would only raise again: bugs in
+# the training code or its spec, and a non-finite loss (resuming from the last checkpoint replays the
+# same steps bitwise). Named by their classes, as the engine and a command's rank report them
+# (workers/command/failure.py): a subclass is listed itself. Our own failure types each say whether
+# they are retried where they are declared (rank_contract/failures.py). Anything else -- a signal, a
+# lost peer (Gloo/NCCL errors are RuntimeErrors), an OOM, a timeout, the launcher itself -- is retried
+# while the job has restarts left. See docs/reliability.md.
+_NOT_OURS_NOT_RETRIED: tuple[type[BaseException], ...] = (
+    FloatingPointError,
+    ValueError,
+    # pydantic's, for a spec.json its JobSpec refuses (a ValueError, but named as itself).
+    ValidationError,
+    TypeError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    NameError,
+    UnboundLocalError,
+    ImportError,
+    ModuleNotFoundError,
+    SyntaxError,
+    # A command's main file that does not compile (SyntaxError's own subclasses).
+    IndentationError,
+    TabError,
+    AssertionError,
+    NotImplementedError,
+    PermissionError,
+    # A loader process raised outside a sample's read (workers/engine/loader_faults.py): the rank
+    # reports the loader's own exception type, judged here like the rank's own. A batch that pickle
+    # refuses (PicklingError; TypeError, AttributeError above) is refused again by the same code.
+    PicklingError,
+)
+NOT_RETRIED: frozenset[str] = frozenset(
+    {e.__name__ for e in _NOT_OURS_NOT_RETRIED}
+    | {failure.value for failure in Failure if not failure.retried}
 )
 
 
@@ -101,7 +74,7 @@ NOT_RETRIED = frozenset(
 # so that it keeps every restart it was given for its own failures (an evicted pod is not a failed
 # one either). The crash of a worker stays a WorkerLost, charged: nobody can tell it from a fault
 # the job itself provoked (an OOM kill of the whole host, say).
-WORKER_STOPPED = "WorkerStopped"
+WORKER_STOPPED = Failure.WORKER_STOPPED
 
 
 def is_retryable(error: JobError) -> bool:
@@ -208,11 +181,11 @@ def launcher_error(log_path: Path, *, rc: int, started: bool) -> JobError:
     """The error of an attempt whose ranks reported none: torchrun's own failure, often the rendezvous."""
     tail = _tail(log_path)
     if not started and tail and "Rendezvous" in tail:
-        kind, message = "RendezvousFailed", "the nodes did not all join the rendezvous in time"
+        kind, message = Failure.RENDEZVOUS_FAILED, "the nodes did not all join the rendezvous in time"
     elif rc:
-        kind, message = "ProcessExited", f"rank processes exited with code {rc}"
+        kind, message = Failure.PROCESS_EXITED, f"rank processes exited with code {rc}"
     else:
-        kind, message = "ProcessExited", "ranks exited without finishing"
+        kind, message = Failure.PROCESS_EXITED, "ranks exited without finishing"
     return JobError(type=kind, message=message, traceback=tail)
 
 
@@ -223,6 +196,15 @@ def _tail(path: Path, lines: int = TRACEBACK_TAIL_LINES) -> str | None:
     if data is None:
         return None
     return "\n".join(data.decode("utf-8", errors="replace").splitlines()[-lines:])
+
+
+def end_cancelled(sessions: sessionmaker[Session], *, att: Attempt, finished: bool) -> JobStatus:
+    """End an attempt whose job was asked to stop: cancelled or pruned, succeeded if it `finished` first."""
+    with sessions() as session:
+        pruned = lifecycle.prune_requested(session, job_id=att.job_id)
+    dst, reason = lifecycle.end_of_cancelled_run(finished=finished, pruned=pruned)
+    finish(sessions, job_id=att.job_id, token=att.token, dst=dst, reason=reason)
+    return dst
 
 
 def record_outcome(
@@ -238,43 +220,39 @@ def record_outcome(
     """Record how a node's run ended, from how it was stopped, its exit code and what rank 0 reported."""
     att, stopped_for = run.att, watch.stopped_for
     job_id, token = att.job_id, att.token
-    if stopped_for == "fenced":
+    if stopped_for is StopReason.FENCED:
         return JobStatus.RUNNING  # a newer attempt owns the job, or another node ended this one
     # A command's exit codes decide (torchrun exits 0 only when every rank did); the engine also
     # says it finished, so a rank that exits 0 early is not mistaken for success.
     done = reporter.state.finished or (run.spec.command is not None and run.is_primary)
-    if stopped_for == "cancel" or reporter.state.cancel_requested:
+    if stopped_for is StopReason.CANCEL or reporter.state.cancel_requested:
         if not run.is_primary:
             return JobStatus.RUNNING  # node 0 sees the flag too, and alone knows if the work finished
         # The engine finished before the stop (which may then have signalled ranks on their way out),
         # or the ranks exited 0 on their own: the work was done first.
         finished = reporter.state.finished or (stopped_for is None and rc == 0 and done)
-        with sessions() as session:
-            pruned = lifecycle.prune_requested(session, job_id=job_id)
-        dst, reason = lifecycle.end_of_cancelled_run(finished=finished, pruned=pruned)
-        finish(sessions, job_id=job_id, token=token, dst=dst, reason=reason)
-        return dst
-    if stopped_for == "deadline" and reporter.state.finished:
+        return end_cancelled(sessions, att=att, finished=finished)
+    if stopped_for is StopReason.DEADLINE and reporter.state.finished:
         # As with a cancel: the work finished (every step, the final checkpoint) before the stop.
         reason = "finished before the deadline took effect"
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED, reason=reason)
         return JobStatus.SUCCEEDED
-    if stopped_for == "deadline":
-        error = JobError(type="DeadlineExceeded", message=f"deadline exceeded ({max_runtime} s)")
+    if stopped_for is StopReason.DEADLINE:
+        error = JobError(type=Failure.DEADLINE_EXCEEDED, message=f"deadline exceeded ({max_runtime} s)")
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.FAILED, error=error)
         return JobStatus.FAILED
-    if stopped_for == "stall":
+    if stopped_for is StopReason.STALL:
         message = f"no progress for {watch.stall_seconds:g} s: no rank reported a step or wrote a log line"
         if reporter.state.stacks_summary:
             message = f"{message}; {reporter.state.stacks_summary}"
-        return end_abnormally(sessions, att=att, error=JobError(type="Stalled", message=message))
+        return end_abnormally(sessions, att=att, error=JobError(type=Failure.STALLED, message=message))
     if rc == 0 and done:
         finish(sessions, job_id=job_id, token=token, dst=JobStatus.SUCCEEDED)
         return JobStatus.SUCCEEDED
     if rc == 0 and run.nnodes > 1:
         # Rank 0, whose node records the success, may run on another node: nothing to record here.
         return JobStatus.RUNNING
-    if stopped_for == "shutdown":
+    if stopped_for is StopReason.SHUTDOWN:
         message = "its worker was stopped; the job resumes from its last checkpoint"
         return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
     started = reporter.state.started

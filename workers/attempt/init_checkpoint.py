@@ -3,7 +3,7 @@
 The service pinned the file under the job's folder (service/jobs/init_from.py). Before the ranks
 start, while the job has no checkpoint of its own (its own always win), every node hashes the file
 and refuses to start on a mismatch: a damaged or replaced source would otherwise train on silently.
-A mismatch is not retried (workers/attempt/end.NOT_RETRIED): the same file fails the same way.
+A mismatch is not retried (rank_contract/failures.py): the same file fails the same way.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api_schemas import JobError
+from rank_contract.failures import Failure
 from rank_contract.files import open_beneath
 from workers.engine.checkpoint import checkpoint_files
 
-MISMATCH = "InitCheckpointMismatch"
-MISSING = "InitCheckpointMissing"
 _CHUNK_BYTES = 8 << 20
 
 
@@ -59,7 +58,10 @@ def verify(init: InitCheckpoint) -> JobError | None:
     # following a link, and must be a regular file (rank_contract.files).
     f = open_beneath(init.path.parent, init.path.name)
     if f is None:
-        return JobError(type=MISSING, message=f"{what} is gone: {init.path} is missing or not a regular file")
+        return JobError(
+            type=Failure.INIT_CHECKPOINT_MISSING,
+            message=f"{what} is gone: {init.path} is missing or not a regular file",
+        )
     digest = hashlib.sha256()
     with f:
         while chunk := f.read(_CHUNK_BYTES):
@@ -67,7 +69,7 @@ def verify(init: InitCheckpoint) -> JobError | None:
     actual = digest.hexdigest()
     if actual != init.sha256:
         message = f"{what} does not verify: sha256 {actual} != {init.sha256} recorded at submit"
-        return JobError(type=MISMATCH, message=message)
+        return JobError(type=Failure.INIT_CHECKPOINT_MISMATCH, message=message)
     return None
 
 

@@ -6,7 +6,7 @@ out, and every file is opened with no link followed on its way (service.files.op
 is left out is said in the job's timeline.
 The limits (DPTRAIN_MAX_OUTPUT_BYTES_PER_JOB, DPTRAIN_MAX_OUTPUT_FILES_PER_JOB) are checked every
 few seconds while the ranks run and again at the attempt's end; past either the job fails with
-OutputTooLarge, which a restart would only meet again (workers/attempt/end.NOT_RETRIED).
+OutputTooLarge, which a restart would only meet again (rank_contract/failures.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError
+from rank_contract.failures import Failure
 from service.files import open_beneath
 from service.jobs import artifacts_repository, lifecycle
 from service.jobs.artifacts_repository import ArtifactRow
@@ -30,7 +31,6 @@ from workers.attempt.periodic_check import PeriodicCheck
 
 log = logging.getLogger(__name__)
 
-ERROR_TYPE = "OutputTooLarge"
 # How often a running job's outputs are measured: a walk of at most the file limit's lstat calls.
 CHECK_SECONDS = 5.0
 CHUNK_BYTES = 1 << 20
@@ -170,7 +170,7 @@ class Guard(PeriodicCheck):
 
     def _over_limits(self) -> JobError | None:
         why = measure(self.directory, self.limits).over
-        return JobError(type=ERROR_TYPE, message=why) if why else None
+        return JobError(type=Failure.OUTPUT_TOO_LARGE, message=why) if why else None
 
 
 def record(
@@ -197,7 +197,7 @@ def record(
                 lifecycle.note_running(session, job_id=job_id, attempt=attempt, note=_skipped_note(found))
     except Exception:  # noqa: BLE001 - the attempt's end state matters more than its artifact list
         log.warning("job %s: recording its artifacts failed", job_id, exc_info=True)
-    return JobError(type=ERROR_TYPE, message=found.over) if found.over else None
+    return JobError(type=Failure.OUTPUT_TOO_LARGE, message=found.over) if found.over else None
 
 
 def _skipped_note(found: Found) -> str:

@@ -1,4 +1,7 @@
-"""One node of an attempt of a job: accept its placement, launch its ranks with torchrun, report, end it.
+"""One node of an attempt of a job: accept its placement, start its ranks, report, end it.
+
+How the ranks are started, stopped and ended is a `Ranks`'s business (workers/attempt/ranks.py;
+today torchrun on this host, in bubblewrap): the runner asks it and knows nothing of processes.
 
 A multi-node attempt runs this on each of its nodes: torchrun's c10d rendezvous, hosted by node 0,
 gathers them before any rank trains. Whichever node's ranks end the attempt records it (fenced by
@@ -9,40 +12,40 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from rank_contract.files import create_beneath
+from rank_contract.failures import Failure
 from rank_contract.layout import JobFiles
 from service.config import Settings
 from service.db import session_factory
-from service.files import PRIVATE_UMASK
-from service.jobs import lifecycle
 from service.scheduling import repository as placement
 from workers.attempt import init_checkpoint
 from workers.attempt.acceptance import Unrunnable, accept
 from workers.attempt.checkpoint_cap import CheckpointGuard
 from workers.attempt.checkpoint_rows import missing_checkpoints, sync_checkpoints
-from workers.attempt.end import WORKER_STOPPED, end_abnormally, finish, note_unsandboxed, record_outcome
-from workers.attempt.launch import torchrun_command
+from workers.attempt.end import (
+    WORKER_STOPPED,
+    end_abnormally,
+    end_cancelled,
+    note_unsandboxed,
+    record_outcome,
+)
 from workers.attempt.node_run import NodeRun, RunPaths
 from workers.attempt.outputs import Guard, Limits
 from workers.attempt.outputs import record as record_outputs
-from workers.attempt.watch import Watch, stopping
+from workers.attempt.ranks import Launcher, LocalTorchrun, Ranks
+from workers.attempt.watch import StopReason, Watch, stopping
 from workers.pyenv import provision
 from workers.pyenv.environments import Aborted, EnvironmentFailed
 from workers.reporting.reporter import Reporter, final_flush
 from workers.reporting.stack_watch import StackWatch
-from workers.sandbox import bubblewrap
-from workers.sandbox.procs import interface_of, kill_group, stop_group, sweep_ranks
+from workers.sandbox.procs import interface_of
 from workers.sandbox.rank_setup import RankSetup, SetupFailed, prepare, take_back
 from workers.sandbox.scratch import remove_earlier, remove_scratch
 
@@ -68,12 +71,19 @@ on_release: list[Callable[[], None]] = []
 
 
 def run_node(
-    *, job_id: str, attempt: int, node_rank: int, settings: Settings, endpoint: str = ""
+    *,
+    job_id: str,
+    attempt: int,
+    node_rank: int,
+    settings: Settings,
+    endpoint: str = "",
+    launcher: Launcher = LocalTorchrun,
 ) -> JobStatus | None:
     """Run node `node_rank` of `attempt` of a job to its end; None if the message was stale or a duplicate.
 
     `endpoint` is the rendezvous the start message carried; without one (a single-node job, or a
-    message from before it was sent) it is read from the job's placement.
+    message from before it was sent) it is read from the job's placement. `launcher` makes the
+    object that starts, stops and ends the node's ranks (workers/attempt/ranks.py).
 
     Returns QUEUED when the attempt ended abnormally and the job was requeued for a restart.
     """
@@ -83,7 +93,12 @@ def run_node(
         _ACTIVE[(job_id, attempt)] += 1
     try:
         return _run_node(
-            job_id=job_id, attempt=attempt, node_rank=node_rank, settings=settings, endpoint=endpoint
+            job_id=job_id,
+            attempt=attempt,
+            node_rank=node_rank,
+            settings=settings,
+            endpoint=endpoint,
+            launcher=launcher,
         )
     finally:
         with _ACTIVE_LOCK:
@@ -95,7 +110,7 @@ def run_node(
 
 
 def _run_node(
-    *, job_id: str, attempt: int, node_rank: int, settings: Settings, endpoint: str
+    *, job_id: str, attempt: int, node_rank: int, settings: Settings, endpoint: str, launcher: Launcher
 ) -> JobStatus | None:
     sessions = session_factory(settings)
     run = accept(
@@ -111,10 +126,11 @@ def _run_node(
         if isinstance(run, Unrunnable):
             log.error("job %s: %s", job_id, run.error.message)
             return end_abnormally(sessions, att=run.att, error=run.error)
-        return _supervise(sessions=sessions, settings=settings, run=run, paths=paths)
+        ranks = launcher(settings=settings, run=run, paths=paths)
+        return _supervise(sessions=sessions, settings=settings, run=run, paths=paths, ranks=ranks)
     except Exception as exc:
         log.exception("job %s: the launcher itself failed", job_id)
-        error = JobError(type="LauncherError", message=f"{type(exc).__name__}: {exc}")
+        error = JobError(type=Failure.LAUNCHER_ERROR, message=f"{type(exc).__name__}: {exc}")
         return end_abnormally(sessions, att=run.att, error=error)
     finally:
         # This node's ranks are gone: its slots are free for placement even if the others still run.
@@ -126,15 +142,12 @@ def _run_node(
 
 
 def _supervise(
-    *, sessions: sessionmaker[Session], settings: Settings, run: NodeRun, paths: RunPaths
+    *, sessions: sessionmaker[Session], settings: Settings, run: NodeRun, paths: RunPaths, ranks: Ranks
 ) -> JobStatus:
     att, spec = run.att, run.spec
     job_id = att.job_id
-    # Ranks of an earlier attempt of this job on this node whose worker died (torchrun runs in a
-    # session of its own, so a SIGKILLed worker leaves them running) must not write checkpoints
-    # beside ours. Only this node's: other nodes of the job may share this host (tests, small setups).
-    if left := sweep_ranks(job_id, node=settings.node):
-        log.warning("job %s: killed %d processes of an earlier attempt", job_id, left)
+    # Before anything of this attempt is written: an earlier one's ranks must not write beside it.
+    ranks.clear_earlier()
     # Scratch an earlier attempt here could not remove (its worker died first).
     remove_earlier(paths.job, attempt=att.number, node_rank=paths.node_rank)
     for folder in (paths.run.logs, paths.run.events):
@@ -143,7 +156,7 @@ def _supervise(
     paths.job.outputs.mkdir(parents=True, exist_ok=True)
     if missing := missing_checkpoints(sessions, job_id=job_id, directory=paths.job.checkpoints):
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
-        error = JobError(type="CheckpointMissing", message=missing)
+        error = JobError(type=Failure.CHECKPOINT_MISSING, message=missing)
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
         sync_checkpoints(sessions, att=att, directory=paths.job.checkpoints, attempt=max(1, att.number - 1))
@@ -151,7 +164,9 @@ def _supervise(
     # Closed last: the ranks' own uid (rank_setup.ranks_user) is leased until their processes are
     # gone and the attempt's files are the worker's again (take_back, in _prepare_and_launch, runs first).
     with contextlib.ExitStack() as uid_lease:
-        return _prepare_and_launch(sessions=sessions, settings=settings, run=run, paths=paths, hold=uid_lease)
+        return _prepare_and_launch(
+            sessions=sessions, settings=settings, run=run, paths=paths, ranks=ranks, hold=uid_lease
+        )
 
 
 def _prepare_and_launch(
@@ -160,6 +175,7 @@ def _prepare_and_launch(
     settings: Settings,
     run: NodeRun,
     paths: RunPaths,
+    ranks: Ranks,
     hold: contextlib.ExitStack,
 ) -> JobStatus:
     att, spec = run.att, run.spec
@@ -168,8 +184,7 @@ def _prepare_and_launch(
             settings=settings,
             spec=spec,
             paths=paths,
-            # Probed once per worker process, for real (the worker's start did it already).
-            unsandboxed=bubblewrap.unavailable(settings.sandbox),
+            unsandboxed=ranks.unsandboxed(),
             hold=hold,
             multi_node=run.nnodes > 1,
             cluster_uid=run.cluster_uid,
@@ -187,7 +202,13 @@ def _prepare_and_launch(
         # Holds the job's environment (if any) until its ranks are gone: eviction never removes it.
         with contextlib.ExitStack() as env_hold:
             return _launch(
-                sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, hold=env_hold
+                sessions=sessions,
+                settings=settings,
+                run=run,
+                paths=paths,
+                setup=setup,
+                ranks=ranks,
+                hold=env_hold,
             )
     finally:
         # Its ranks are gone (_launch killed what was left): only what they wrote on purpose stays.
@@ -203,6 +224,7 @@ def _launch(
     run: NodeRun,
     paths: RunPaths,
     setup: RankSetup,
+    ranks: Ranks,
     hold: contextlib.ExitStack,
 ) -> JobStatus:
     """Have the job's environment, start this node's ranks, watch them to their end, record the outcome."""
@@ -241,25 +263,21 @@ def _launch(
     except Aborted:
         final_flush(reporter, interval=settings.report_interval_seconds, job_id=job_id)
         return _stopped_while_preparing(sessions, run=run, reporter=reporter)
-    proc = _start(settings=settings, run=run, paths=paths, setup=setup)
-    sandboxed = setup.box is not None
+    ranks.start(setup)
     try:
         _watch(
-            proc,
+            ranks,
             settings=settings,
             reporter=reporter,
             watch=watch,
             deadline=deadline,
             job_id=job_id,
-            sandboxed=sandboxed,
             guards=(guard, ckpt_guard),
         )
     finally:
-        kill_group(proc, sandboxed=sandboxed)
-        if left := sweep_ranks(job_id, node=settings.node):
-            log.warning("job %s: killed %d rank processes left behind by torchrun", job_id, left)
+        rc = ranks.end()
     final_flush(reporter, interval=settings.report_interval_seconds, job_id=job_id)
-    if guard is not None and ckpt_guard is not None and watch.stopped_for != "fenced":
+    if guard is not None and ckpt_guard is not None and watch.stopped_for is not StopReason.FENCED:
         # The ranks are gone: what the outputs and the checkpoint folder hold now is what this
         # attempt leaves, and the job's checkpoint list says so whatever events a kill cut short.
         _sync_at_end(sessions, run=run, paths=paths)
@@ -273,7 +291,7 @@ def _launch(
         sessions,
         reporter=reporter,
         run=run,
-        rc=proc.returncode,
+        rc=rc,
         watch=watch,
         paths=paths,
         max_runtime=max_runtime,
@@ -288,41 +306,6 @@ def _sync_at_end(sessions: sessionmaker[Session], *, run: NodeRun, paths: RunPat
         log.warning("job %s: reconciling its checkpoint rows failed", run.att.job_id, exc_info=True)
 
 
-def _start(*, settings: Settings, run: NodeRun, paths: RunPaths, setup: RankSetup) -> subprocess.Popen[bytes]:
-    """Build torchrun's command line and environment, start it, and note its pid."""
-    spec = run.spec
-    argv = torchrun_command(
-        job_id=run.att.job_id,
-        node=settings.node,
-        nproc=spec.resources.processes_per_node,
-        spec_path=str(paths.run.spec),
-        run_dir=str(paths.run.folder),
-        checkpoint_dir=str(paths.job.checkpoints),
-        nnodes=run.nnodes,
-        rendezvous=run.rendezvous,
-        local_addr=run.address or None,
-        device=spec.resources.device,
-        command=spec.command,
-    )
-    if setup.python is not None:
-        argv[0] = str(setup.python)  # the job's environment: its interpreter is every rank's `python`
-    # What torchrun and the ranks write is private whoever runs this (a worker, a test): umask 077.
-    user: dict[str, Any] = {"umask": PRIVATE_UMASK}
-    if setup.box is not None:
-        # bwrap starts as the worker; a root worker's sandbox switches to the ranks' user inside.
-        argv = bubblewrap.bwrap_argv(setup.box, argv)
-    elif setup.run_as is not None:
-        user |= setup.run_as.popen_args()
-    proc = _start_ranks(argv, env=setup.env, cwd=setup.cwd, log_path=paths.run.launcher_log, user=user)
-    # For operators (and a recovering worker on another machine's tooling): which group to kill.
-    # Never a reason to lose track of the group just started; never written through a link or a FIFO
-    # the ranks put in its place (rank_contract.files).
-    if (pid_file := create_beneath(paths.run.folder, paths.run.pid.name, append=False)) is not None:
-        with pid_file:
-            pid_file.write(f"{proc.pid}\n".encode())
-    return proc
-
-
 def _stopped_while_preparing(
     sessions: sessionmaker[Session], *, run: NodeRun, reporter: Reporter
 ) -> JobStatus:
@@ -331,51 +314,25 @@ def _stopped_while_preparing(
     if reporter.state.fenced_out:
         return JobStatus.RUNNING
     if reporter.state.cancel_requested:
-        with sessions() as session:
-            pruned = lifecycle.prune_requested(session, job_id=att.job_id)
-        dst, reason = lifecycle.end_of_cancelled_run(finished=False, pruned=pruned)
-        finish(sessions, job_id=att.job_id, token=att.token, dst=dst, reason=reason)
-        return dst
+        return end_cancelled(sessions, att=att, finished=False)
     message = "its worker was stopped while it prepared the job's environment"
     return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
 
 
-def _start_ranks(
-    argv: list[str], *, env: dict[str, str], cwd: Path, log_path: Path, user: dict[str, Any]
-) -> subprocess.Popen[bytes]:
-    """Start torchrun (`argv`) in a session of its own, as `user` (Popen's user/group/umask arguments)."""
-    launcher_out = create_beneath(log_path.parent, log_path.name)
-    if launcher_out is None:
-        raise OSError(f"{log_path} is a link or not a regular file: the launcher's output is not put there")
-    with launcher_out:
-        # A session of its own: cancelling or cleaning up signals torchrun's group; torchrun forwards
-        # it to the ranks (each in a session of its own) and sweep_ranks kills any left behind.
-        return subprocess.Popen(
-            argv,
-            stdout=launcher_out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-            **user,
-        )
-
-
 def _watch(
-    proc: subprocess.Popen[bytes],
+    ranks: Ranks,
     *,
     settings: Settings,
     reporter: Reporter,
     watch: Watch,
     deadline: float | None,
     job_id: str,
-    sandboxed: bool,
     guards: tuple[Guard | None, CheckpointGuard | None],
 ) -> None:
-    """Report what the ranks write while torchrun runs, and stop them when `watch` decides to."""
+    """Report what the ranks write while they run, and stop them when `watch` decides to."""
     stacks = StackWatch.of(reporter, node=settings.node)
     last_flush = time.monotonic()
-    while proc.poll() is None:
+    while ranks.poll() is None:
         # Until the first step is reported, look at the ranks' files often and report as soon
         # as something arrives: the time to the first step is what a user waits for. Later
         # reports batch on the regular tick.
@@ -394,7 +351,7 @@ def _watch(
             watch.stop(reason)
             log.info("job %s: stopping its ranks (%s)", job_id, reason)
         if watch.signal_due():
-            stop_group(proc, grace=watch.kill_after(), sandboxed=sandboxed)
+            ranks.stop(grace=watch.kill_after())
 
 
 def _stop_reason(
@@ -402,21 +359,21 @@ def _stop_reason(
     watch: Watch,
     deadline: float | None,
     guards: tuple[Guard | None, CheckpointGuard | None],
-) -> str | None:
+) -> StopReason | None:
     """Why the ranks must stop now, if they must; the first reason that applies wins."""
     if reporter.state.cancel_requested:
-        return "cancel"
+        return StopReason.CANCEL
     if reporter.state.fenced_out:
-        return "fenced"
+        return StopReason.FENCED
     if stopping.is_set():
-        return "shutdown"
+        return StopReason.SHUTDOWN
     if deadline is not None and time.monotonic() > deadline:
-        return "deadline"
+        return StopReason.DEADLINE
     if watch.stalled():
-        return "stall"
+        return StopReason.STALL
     outputs, checkpoints = guards
     if outputs is not None and outputs.over():
-        return "outputs"
+        return StopReason.OUTPUTS
     if checkpoints is not None and checkpoints.over():
-        return "checkpoints"
+        return StopReason.CHECKPOINTS
     return None

@@ -19,14 +19,34 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 
 from rank_contract.files import touch_beneath
 
+
+class StopReason(StrEnum):
+    """Why a node stops its ranks before they end by themselves (workers/attempt/end.py records it)."""
+
+    # A user asked to cancel the job (or a sweep to prune it).
+    CANCEL = "cancel"
+    # Another attempt owns the job, or another node of this one ended it: nothing is recorded here.
+    FENCED = "fenced"
+    # This worker process is shutting down: the attempt is handed back, not charged to the job.
+    SHUTDOWN = "shutdown"
+    # The job ran past its max_runtime_seconds.
+    DEADLINE = "deadline"
+    # Nothing heard from the ranks for the job's stall_timeout_seconds.
+    STALL = "stall"
+    # DPTRAIN_OUTPUT_DIR, or the checkpoint folder, went over its limits.
+    OUTPUTS = "outputs"
+    CHECKPOINTS = "checkpoints"
+
+
 # Reasons a script is asked to stop before it is signalled; the others (fenced: another attempt
 # owns the job; stall: nobody is listening; outputs, checkpoints: every second writes more) signal
 # at once.
-ASKED_FIRST = frozenset({"cancel", "deadline"})
+ASKED_FIRST = frozenset({StopReason.CANCEL, StopReason.DEADLINE})
 # Set when this worker process begins to shut down (workers/node/celery_app.py): every run stops.
 stopping = threading.Event()
 # A stop for shutdown signals the ranks at once and SIGKILLs them after at most this long (a
@@ -34,7 +54,7 @@ stopping = threading.Event()
 # included, within the 10 s that `docker stop` waits before its SIGKILL.
 SHUTDOWN_GRACE_SECONDS = 3.0
 
-__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "Watch", "stopping"]
+__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "StopReason", "Watch", "stopping"]
 
 
 class Watch:
@@ -49,7 +69,7 @@ class Watch:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stall_seconds, self.grace, self.stop_file, self.clock = stall_seconds, grace, stop_file, clock
-        self.stopped_for: str | None = None
+        self.stopped_for: StopReason | None = None
         self._last_activity = clock()
         self._signal_at: float | None = None
 
@@ -61,7 +81,7 @@ class Watch:
         """Whether nothing has been heard from the ranks for the stall timeout."""
         return self.clock() - self._last_activity > self.stall_seconds
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: StopReason) -> None:
         """Decide to stop the ranks for `reason`: ask a command job first, else signal at once."""
         self.stopped_for = reason
         delay = 0.0
@@ -74,7 +94,9 @@ class Watch:
 
     def kill_after(self) -> float:
         """Seconds from the signal to SIGKILL: the grace, shorter when the worker shuts down."""
-        return min(self.grace, SHUTDOWN_GRACE_SECONDS) if self.stopped_for == "shutdown" else self.grace
+        return (
+            min(self.grace, SHUTDOWN_GRACE_SECONDS) if self.stopped_for is StopReason.SHUTDOWN else self.grace
+        )
 
     def signal_due(self) -> bool:
         """True once, when the ranks' grace to stop by themselves is over."""

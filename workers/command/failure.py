@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rank_contract.env import EXCEPTION_FILE_ENV
+from rank_contract.failures import Failure
 from rank_contract.files import read_file
 from rank_contract.layout import RunFiles
 from workers.engine.events import TRACEBACK_TAIL_LINES, ErrorEvent
@@ -195,7 +196,7 @@ def error_event(rank: int, returncode: int, *, raised: Raised | None, log: Seque
             rank=rank, error_type=raised.type, message=message[:_MAX_MESSAGE_CHARS], traceback=tb or None
         )
     if returncode < 0:
-        kind, message = "ProcessKilled", f"rank {rank} was killed by {_signal_name(-returncode)}"
+        kind, message = Failure.PROCESS_KILLED, f"rank {rank} was killed by {_signal_name(-returncode)}"
     else:
-        kind, message = "ProcessExited", f"rank {rank} exited with code {returncode}"
+        kind, message = Failure.PROCESS_EXITED, f"rank {rank} exited with code {returncode}"
     return ErrorEvent(rank=rank, error_type=kind, message=message, traceback="\n".join(log) or None)

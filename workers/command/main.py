@@ -25,6 +25,7 @@ from types import FrameType
 from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
+from rank_contract.failures import Failure
 from rank_contract.layout import RunFiles
 from rank_contract.stacks import await_dump, collective_timed_out
 from workers.command.args import expand_command
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         missing = isinstance(exc, FileNotFoundError)
         message = f"{'command not found' if missing else 'cannot run'}: {cmd[0]} ({exc.strerror})"
         print(f"dptrain: rank {rank}: {message}", file=sys.stderr)
-        kind = "CommandNotFound" if missing else "CommandNotExecutable"
+        kind = Failure.COMMAND_NOT_FOUND if missing else Failure.COMMAND_NOT_EXECUTABLE
         _end(events, ErrorEvent(rank=rank, error_type=kind, message=message), 127 if missing else 126)
 
     def forward(signum: int, _frame: FrameType | None) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
 from api_schemas.data import DataSpec
+from rank_contract.failures import Failure, named
 from workers.engine.batch_sampler import GlobalBatchSampler
 from workers.engine.conventions import to_device
 from workers.engine.loader_faults import LoaderWatch, failed_loader
@@ -48,12 +49,14 @@ def load_failure(where: str, exc: BaseException) -> LoadFailure:
     return LoadFailure(where, f"{type(exc).__name__}: {exc}", tb, isinstance(exc, OSError))
 
 
+@named(Failure.DATA_LOAD_ERROR)
 class DataLoadError(RuntimeError):
     """Reading a sample failed (the dataset's code or the data): names the rank, the step and the sample.
 
     Not retried: a restart would read the same sample again (workers/attempt/end.py)."""
 
 
+@named(Failure.DATA_READ_ERROR)
 class DataReadError(DataLoadError):
     """Reading a sample failed with an OSError (storage): retried while the job has restarts left."""
 

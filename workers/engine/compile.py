@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rank_contract.failures import Failure, named
+
 # Triton cannot compile for GPUs below this CUDA capability (torch._inductor.exc.GPUTooOldForTriton).
 _TRITON_MIN_CAPABILITY = (7, 0)
 # How long `CXX --version` may take: torch runs the same probe, without a limit, on first compile.
@@ -38,6 +40,7 @@ _PROBE_TIMEOUT_S = 30
 _MB = 1024 * 1024  # DDP's bucket_cap_mb unit (it multiplies by 2**20)
 
 
+@named(Failure.COMPILE_UNAVAILABLE)
 class CompileUnavailable(RuntimeError):
     """engine.compile asks for a backend this worker cannot run; the message names what is missing."""
 

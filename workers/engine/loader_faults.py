@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rank_contract.failures import Failure, named
+
 # A loader process's exit status after it reported a batch it could not send (any non-zero status
 # makes torch's SIGCHLD handler raise in the rank; the report says why).
 SEND_FAILED_EXIT = 3
@@ -51,8 +53,8 @@ class LoaderProcessError(RuntimeError):
     """A loader process raised outside a sample's read (that is a DataLoadError), or sending its batch.
 
     Reported under the loader's own exception type (`reported_type`, read by events.describe), so
-    the job's error names it and workers/attempt/end.NOT_RETRIED judges it as if the rank had raised it:
-    an object pickle refuses (TypeError, PicklingError) fails again on a restart, an OSError may not.
+    the job's error names it and workers/attempt/end.NOT_RETRIED judges it as if the rank had raised
+    it: an object pickle refuses (TypeError, PicklingError) fails again on a restart, an OSError may not.
     """
 
     def __init__(self, reported_type: str, message: str) -> None:
@@ -63,6 +65,7 @@ class LoaderProcessError(RuntimeError):
         return type(self), (self.reported_type, str(self))
 
 
+@named(Failure.LOADER_PROCESS_DIED)
 class LoaderProcessDied(RuntimeError):
     """A loader process ended without an exception: killed by a signal (the OOM killer's) or exited.
 
@@ -71,6 +74,7 @@ class LoaderProcessDied(RuntimeError):
     """
 
 
+@named(Failure.LOADER_TIMEOUT)
 class LoaderTimeout(RuntimeError):
     """No batch came from the living loader processes within data.loader_timeout_seconds.
 

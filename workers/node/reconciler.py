@@ -23,6 +23,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.failures import Failure
 from rank_contract.layout import code_archive
 from service.code import repository as code_repository
 from service.code.storage import sweep_partial_uploads
@@ -91,7 +92,7 @@ def recover_lost(
         # Ranks the dead worker left on this host must not keep writing checkpoints; on other hosts
         # the next attempt's runner sweeps them before it starts.
         sweep_ranks(job_id, node=worker)
-        error = JobError(type="WorkerLost", message=why)
+        error = JobError(type=Failure.WORKER_LOST, message=why)
         status = end_abnormally(sessions, att=att, error=error)
         log.warning("job %s: %s; %s", job_id, why, "requeued" if status is JobStatus.QUEUED else "failed")
     return list(lost)

@@ -50,12 +50,11 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from api_schemas import JobError
+from rank_contract.failures import Failure
 from rank_contract.files import create_beneath
 from service.config import Settings
 from service.jobs.requirements import OUR_PACKAGES, WORKER_DISTRIBUTIONS, protected
 from workers.pyenv.environments import (
-    ERROR_TYPE,
-    TOO_LARGE,
     Aborted,
     EnvironmentFailed,
     size_of,
@@ -63,6 +62,7 @@ from workers.pyenv.environments import (
 )
 from workers.sandbox import bubblewrap
 from workers.sandbox.procs import kill_group
+from workers.sandbox.rank_setup import RunAs
 
 POLL_SECONDS = 0.1
 TIMEOUT_SETTING = "DPTRAIN_ENV_BUILD_TIMEOUT_SECONDS"
@@ -86,9 +86,10 @@ class Builder:
     lines: list[str]
     settings: Settings
     log: Path
-    box: bubblewrap.Box | None
-    uid: int | None = None
-    gid: int | None = None
+    # Whether the ranks run in the sandbox (the build then does too), and who they run as
+    # (workers/sandbox/rank_setup.ranks_user decided it for the attempt; None: the worker's user).
+    sandboxed: bool
+    run_as: RunAs | None = None
     code_dir: Path | None = None
     # Runs while the build does: False gives it up (Aborted), e.g. on a cancel.
     poll: Callable[[], bool] = lambda: True
@@ -102,7 +103,8 @@ class Builder:
         (root / "setup" / "constraints.txt").write_text("\n".join(pins) + "\n")
         (root / "setup" / "excludes.txt").write_text("\n".join(sorted(worker_distributions())) + "\n")
         (root / "setup" / "tmp").mkdir()
-        owner = (self.uid, self.gid) if self.uid is not None and self.gid is not None else None
+        # The folder is the installer's to write: it runs as the ranks' user where the worker switches.
+        owner = self._switch_to()
         if owner is not None:
             _chown_tree(root, *owner)
         try:
@@ -114,10 +116,10 @@ class Builder:
         if rc != 0:
             raise EnvironmentFailed(_install_error(output, rc))
         if (unmet := unmet_by_worker(root, self.lines)) is not None:
-            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=unmet))
+            raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=unmet))
         if (found := shadowing(root)) is not None:
             message = f"the requirements installed {found}, which always comes from the worker's environment"
-            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+            raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
         # Read-only to the ranks, whoever they run as (the worker's umask is 077); the worker alone
         # removes it.
         os.chmod(root, 0o755)
@@ -141,20 +143,27 @@ class Builder:
             argv += ["--index-url", self.settings.pip_index_url]
         for link in filter(None, (s.strip() for s in self.settings.pip_find_links.split(","))):
             argv += ["--find-links", link]
-        if self.box is not None:
+        if self.sandboxed:
+            user = self._switch_to()
             box = bubblewrap.Box(
-                run_dir=root,
-                checkpoint_dir=root,
                 workdir=self.code_dir or root,
                 tmp_dir=setup / "tmp",
-                code_dir=self.code_dir,
-                uid=self.box.uid,
-                gid=self.box.gid,
+                # Only the environment's folder is writable; the job's code tree (a local
+                # requirement's path) is read-only, as the ranks see it.
+                writable=(root,),
+                read_only=(self.code_dir,) if self.code_dir is not None else (),
+                uid=user[0] if user else None,
+                gid=user[1] if user else None,
             )
             argv = bubblewrap.bwrap_argv(box, argv)
         if PRLIMIT is None:
             return argv
         return [PRLIMIT, f"--fsize={self.settings.max_env_bytes}", "--", *argv]
+
+    def _switch_to(self) -> tuple[int, int] | None:
+        """The (uid, gid) the installer's processes switch to; None: they keep the worker's."""
+        run_as = self.run_as
+        return (run_as.uid, run_as.gid) if run_as is not None and run_as.switched else None
 
     def _check_size(self, root: Path, log: TextIO, output: list[str]) -> None:
         """EnvironmentTooLarge if the folder (the installer's temporary files included) is over its bound."""
@@ -167,10 +176,12 @@ class Builder:
             f"({SIZE_SETTING}); the build was stopped and nothing was kept"
         )
         log.write(f"[setup] {message}\n")
-        raise EnvironmentFailed(JobError(type=TOO_LARGE, message=message, traceback=_tail(output)))
+        raise EnvironmentFailed(
+            JobError(type=Failure.ENVIRONMENT_TOO_LARGE, message=message, traceback=_tail(output))
+        )
 
     def _run(self, root: Path) -> tuple[int, list[str]]:  # noqa: C901 - one loop: read, log, time out
-        tmp = "/tmp" if self.box is not None else str(root / "setup" / "tmp")
+        tmp = "/tmp" if self.sandboxed else str(root / "setup" / "tmp")
         env = {k: v for k, v in os.environ.items() if k in PASSED_THROUGH}
         env |= {
             "PATH": f"{root / 'bin'}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
@@ -183,8 +194,8 @@ class Builder:
             "PYTHONDONTWRITEBYTECODE": "1",
         }
         user: dict[str, Any] = {}
-        if self.box is None and self.uid is not None:
-            user = {"user": self.uid, "group": self.gid, "extra_groups": []}
+        if not self.sandboxed and (owner := self._switch_to()) is not None:
+            user = {"user": owner[0], "group": owner[1], "extra_groups": []}
         deadline = time.monotonic() + self.settings.env_build_timeout_seconds
         measured = time.monotonic()
         output: list[str] = []
@@ -192,7 +203,7 @@ class Builder:
         opened = create_beneath(self.log.parent, self.log.name)
         if opened is None:
             message = f"{self.log} is a link or not a regular file: the build's output is not put there"
-            raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+            raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
         with io.TextIOWrapper(opened, encoding="utf-8", errors="replace") as log:
             log.write(f"[setup] installing {len(self.lines)} requirements: {' '.join(self.lines)}\n")
             log.flush()
@@ -228,7 +239,9 @@ class Builder:
                         message = f"the environment's build took longer than {limit:g} s ({TIMEOUT_SETTING})"
                         log.write(f"[setup] {message}\n")
                         tail = "\n".join(output[-TRACEBACK_LINES:]) or None
-                        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message, traceback=tail))
+                        raise EnvironmentFailed(
+                            JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message, traceback=tail)
+                        )
                     if not self.poll():
                         raise Aborted
                     if time.monotonic() - measured >= MEASURE_SECONDS:
@@ -238,7 +251,7 @@ class Builder:
                         time.sleep(POLL_SECONDS)
             finally:
                 if proc.poll() is None:
-                    kill_group(proc, sandboxed=self.box is not None)
+                    kill_group(proc, sandboxed=self.sandboxed)
                 with contextlib.suppress(Exception):
                     proc.wait(timeout=30)
                 proc.stdout.close()
@@ -310,7 +323,7 @@ def _make_venv(root: Path) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
     if done.returncode != 0:
         message = f"making the environment's venv failed: {done.stderr.strip()[-2000:]}"
-        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+        raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
     layered = [Path(p) for p in site.getsitepackages() if Path(p).is_dir()]
     (purelib,) = {p for p in root.glob("lib/python*/site-packages")}
     # After the venv's own folder (addsitedir appends), so the job's packages win over the worker's
@@ -345,7 +358,9 @@ def _install_error(output: list[str], rc: int) -> JobError:
     message = "\n".join(said[:MESSAGE_LINES]) or f"the installer exited with code {rc}"
     tail = "\n".join(output[-TRACEBACK_LINES:]) or None
     return JobError(
-        type=ERROR_TYPE, message=f"installing the job's requirements failed: {message}", traceback=tail
+        type=Failure.ENVIRONMENT_BUILD_FAILED,
+        message=f"installing the job's requirements failed: {message}",
+        traceback=tail,
     )
 
 

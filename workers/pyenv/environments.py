@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from api_schemas import JobError, JobSpec
+from rank_contract.failures import Failure
 from rank_contract.files import create_beneath, read_beneath
 from service.config import Settings
 from service.jobs import requirements
@@ -36,10 +37,6 @@ from service.jobs import requirements
 MANIFEST = "dptrain-env.json"
 _MAX_MANIFEST_BYTES = 1 << 16
 LOCK_POLL_SECONDS = 0.1
-ERROR_TYPE = "EnvironmentBuildFailed"
-# A build whose folder grew past DPTRAIN_MAX_ENV_BYTES (workers/pyenv/build.py).
-TOO_LARGE = "EnvironmentTooLarge"
-MISSING_FILE = "RequirementsFileMissing"
 
 
 class EnvironmentFailed(Exception):
@@ -89,13 +86,13 @@ def requirement_lines(spec: JobSpec, *, code_dir: Path | None, settings: Setting
             message = (
                 f"environment.requirements_file {env.requirements_file!r} is not a file in the job's code"
             )
-            raise EnvironmentFailed(JobError(type=MISSING_FILE, message=message))
+            raise EnvironmentFailed(JobError(type=Failure.REQUIREMENTS_FILE_MISSING, message=message))
         lines = requirements.parse_lines(path.read_text(errors="replace"))
     found = requirements.problems(lines, allow_options=settings.pip_allow_options)
     if found:
         first = found[0]
         message = f"requirement {first.line!r} is refused: {first.reason}"
-        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+        raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
     return lines
 
 
@@ -200,7 +197,7 @@ def _write_manifest(root: Path, record: dict[str, object]) -> None:
     f = create_beneath(root, tmp, append=False)
     if f is None:
         message = f"the build left {tmp} in the environment as a link or not a regular file"
-        raise EnvironmentFailed(JobError(type=ERROR_TYPE, message=message))
+        raise EnvironmentFailed(JobError(type=Failure.ENVIRONMENT_BUILD_FAILED, message=message))
     with f:
         f.write(json.dumps(record).encode())
         os.fchmod(f.fileno(), 0o644)

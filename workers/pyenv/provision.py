@@ -2,7 +2,7 @@
 
 Runs after the reporter exists, so the build's output (the `[setup]` lines of logs/setup.log) is
 shipped as it comes, a cancel is heard while it waits or builds, and its failure ends the attempt
-at once (EnvironmentBuildFailed, never retried: workers/attempt/end.NOT_RETRIED).
+at once (EnvironmentBuildFailed, never retried: rank_contract/failures.py).
 """
 
 from __future__ import annotations
@@ -64,17 +64,14 @@ def enter(
     if lines is None:
         return setup
     _record(sessions, run=run, state={"state": "preparing", "started_at": utcnow().isoformat()})
-    box = setup.box
-    run_as = setup.run_as
     builder = Builder(
         lines=lines,
         settings=settings,
         # In the run's logs/ folder and no rank's file: the reporter ships its lines with no rank.
         log=paths.run.setup_log,
-        box=box,
-        # Sandboxed, bwrap switches to the ranks' user itself; the folder must be theirs to write.
-        uid=run_as.uid if run_as is not None and os.getuid() == 0 else None,
-        gid=run_as.gid if run_as is not None and os.getuid() == 0 else None,
+        # Where and as whom the ranks run, as rank_setup decided for this attempt.
+        sandboxed=setup.box is not None,
+        run_as=setup.run_as,
         code_dir=setup.code_dir,
         poll=reporting_poll(reporter, interval=settings.report_interval_seconds),
     )
@@ -97,7 +94,9 @@ def with_environment(setup: RankSetup, env: Environment) -> RankSetup:
     """The ranks' setup in `env`: its interpreter first on PATH and starting torchrun, its folder bound."""
     path = setup.env.get("PATH", "")
     ranks_env = {**setup.env, "PATH": f"{env.root / 'bin'}{os.pathsep}{path}", "VIRTUAL_ENV": str(env.root)}
-    box = dataclasses.replace(setup.box, env_dir=env.root) if setup.box is not None else None
+    box = setup.box
+    if box is not None:
+        box = dataclasses.replace(box, read_only=(*box.read_only, env.root))
     return dataclasses.replace(setup, env=ranks_env, box=box, python=env.python)
 
 

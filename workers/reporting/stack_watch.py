@@ -26,6 +26,7 @@ from rank_contract.files import touch_beneath
 from rank_contract.layout import RunFiles
 from rank_contract.stacks import collective_timed_out
 from service.jobs import lifecycle, repository, stacks_repository
+from workers.attempt.watch import StopReason
 from workers.reporting import stacks
 from workers.reporting.rank_text import escape_strings, escape_text
 from workers.reporting.reporter import Reporter, RunState
@@ -64,9 +65,9 @@ class StackWatch:
             self._answered = requested
             self._take("request", requested_at=requested)
 
-    def before_stop(self, state: RunState, reason: str) -> None:
+    def before_stop(self, state: RunState, reason: StopReason) -> None:
         """The node is about to stop its ranks for `reason` (attempt/watch.py): dump them if they stalled."""
-        if reason == "stall":
+        if reason is StopReason.STALL:
             self.at_end(state, "stall")
 
     def at_end(self, state: RunState, reason: StackReason) -> None:

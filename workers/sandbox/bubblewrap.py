@@ -69,24 +69,24 @@ Mode = Literal["auto", "required", "off"]
 
 @dataclass(frozen=True)
 class Box:
-    """What one node of an attempt's sandbox shows, and whose its processes are."""
+    """What one sandbox shows and whose its processes are: folders by how they are bound, not by use.
 
-    run_dir: Path
-    checkpoint_dir: Path
+    Its callers (an attempt's ranks: workers/sandbox/rank_setup.py; a job environment's installer:
+    workers/pyenv/build.py) each say what their folders are; every field means something to each.
+    """
+
+    # The processes' working directory, inside one of the folders below.
     workdir: Path
+    # The host folder behind the sandbox's /tmp.
     tmp_dir: Path
-    code_dir: Path | None = None
-    data_root: Path | None = None
+    # Bound read-write at their host paths (so the worker's paths stay valid inside).
+    writable: tuple[Path, ...]
+    # Bound read-only at their host paths, besides the system and the worker's Python.
+    read_only: tuple[Path, ...] = ()
     gpus: bool = False
-    # The ranks' user when the worker is root (started as root, bwrap switches to it inside).
+    # Who the processes run as when bwrap starts as root (it switches to them inside); None: bwrap's own.
     uid: int | None = None
     gid: int | None = None
-    # The job's DPTRAIN_OUTPUT_DIR, writable like its checkpoints.
-    output_dir: Path | None = None
-    # The folder of the job's pinned `init_from` checkpoint (DPTRAIN_INIT_CHECKPOINT), read-only.
-    init_dir: Path | None = None
-    # The job's Python environment (workers/pyenv/provision.py), read-only.
-    env_dir: Path | None = None
 
 
 def python_paths() -> list[Path]:
@@ -158,15 +158,8 @@ def _parents(destinations: Sequence[Path]) -> list[str]:
 
 def bwrap_argv(box: Box, command: Sequence[str]) -> list[str]:
     """The argv that runs `command` (torchrun's) in the sandbox `box`, from the run's working directory."""
-    ro = [
-        *_resolver(),
-        *python_paths(),
-        *([box.code_dir] if box.code_dir else []),
-        *([box.data_root] if box.data_root else []),
-        *([box.init_dir] if box.init_dir else []),
-        *([box.env_dir] if box.env_dir else []),
-    ]
-    rw = _outermost([box.run_dir, box.checkpoint_dir, *([box.output_dir] if box.output_dir else [])])
+    ro = [*_resolver(), *python_paths(), *box.read_only]
+    rw = _outermost(box.writable)
     binds = [("--ro-bind", p) for p in ro] + [("--bind", p) for p in rw]
     mounts: list[str] = []
     # Outer folders first: a mount inside another must come after it, or it is hidden.

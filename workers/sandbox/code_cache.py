@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
+from rank_contract.failures import Failure, named
+
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 # Headers, padding and pax records a member may bring beyond its data; long names fit with room to spare.
 HEADER_ALLOWANCE = 4096
@@ -45,14 +47,17 @@ class CodeArchiveError(Exception):
     """A code archive could not be used; the message says which and why."""
 
 
+@named(Failure.CODE_MISSING)
 class CodeMissing(CodeArchiveError):
     """The archive file is not there."""
 
 
+@named(Failure.CODE_CORRUPT)
 class CodeCorrupt(CodeArchiveError):
     """The archive's bytes do not have the sha256 they were stored under."""
 
 
+@named(Failure.UNSAFE_ARCHIVE)
 class UnsafeArchive(CodeArchiveError):
     """The archive holds something that could write outside its tree or exhaust the worker."""
 

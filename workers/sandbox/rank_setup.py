@@ -15,6 +15,7 @@ from typing import Any
 
 from api_schemas import JobError, JobSpec
 from rank_contract.env import sdk_env
+from rank_contract.failures import Failure
 from rank_contract.layout import code_archive
 from service.config import Settings
 from workers.attempt.init_checkpoint import InitCheckpoint, unshare
@@ -44,16 +45,19 @@ class RunAs:
     gid: int
     # The attempt's own uid's lease (workers/sandbox/rank_uids.py); None for DPTRAIN_RUN_AS's user.
     lease: rank_uids.Lease | None = None
+    # Whether the worker's processes switch to this user (a root worker's do: bwrap's setpriv, the
+    # installer's Popen). A worker that is not root cannot: its DPTRAIN_RUN_AS names only itself.
+    switched: bool = True
 
     @classmethod
-    def named(cls, name: str) -> RunAs:
+    def named(cls, name: str, *, switched: bool) -> RunAs:
         """The user `name` of this host; SetupFailed if there is none."""
         try:
             entry = pwd.getpwnam(name)
         except KeyError:
             message = f"DPTRAIN_RUN_AS names no user of this host: {name!r}"
-            raise SetupFailed(JobError(type="LauncherError", message=message)) from None
-        return cls(name=name, uid=entry.pw_uid, gid=entry.pw_gid)
+            raise SetupFailed(JobError(type=Failure.LAUNCHER_ERROR, message=message)) from None
+        return cls(name=name, uid=entry.pw_uid, gid=entry.pw_gid, switched=switched)
 
     def popen_args(self) -> dict[str, Any]:
         """subprocess.Popen's arguments that start torchrun (and so every rank) as this user."""
@@ -85,9 +89,10 @@ def ranks_user(
     not root; a root worker's unsandboxed ranks, which the sandbox's absence already leaves with the
     worker's rights).
     """
+    root = os.getuid() == 0
     if settings.run_as:
-        return RunAs.named(settings.run_as)
-    if os.getuid() != 0 or not sandboxed:
+        return RunAs.named(settings.run_as, switched=root)
+    if not root or not sandboxed:
         return None
     try:
         if not multi_node:
@@ -102,7 +107,7 @@ def ranks_user(
             uid, gid = bubblewrap.nobody()
             return RunAs(name="nobody", uid=uid, gid=gid)
     except rank_uids.NoFreeUid as exc:
-        raise SetupFailed(JobError(type="NoFreeUid", message=str(exc))) from exc
+        raise SetupFailed(JobError(type=Failure.NO_FREE_UID, message=str(exc))) from exc
     return RunAs.leased(lease)
 
 
@@ -163,8 +168,7 @@ def prepare(
         raise SetupFailed(mismatch)
     why = unsandboxed
     if why is not None and settings.sandbox == "required":
-        raise SetupFailed(JobError(type="SandboxUnavailable", message=why))
-    root = os.getuid() == 0
+        raise SetupFailed(JobError(type=Failure.SANDBOX_UNAVAILABLE, message=why))
     run_dir, checkpoint_dir, output_dir = paths.run.folder, paths.job.checkpoints, paths.job.outputs
     code_dir = unpack_code(settings, spec)
     scratch = make_scratch(run_dir, code_dir)
@@ -216,18 +220,20 @@ def prepare(
     )
     box = None
     if why is None:
+        switch_to = run_as if run_as is not None and run_as.switched else None
         box = bubblewrap.Box(
-            run_dir=run_dir,
-            checkpoint_dir=checkpoint_dir,
-            output_dir=output_dir,
             workdir=scratch.workdir,
             tmp_dir=scratch.tmp,
-            code_dir=code_dir,
-            data_root=settings.data_root,
-            init_dir=init.folder if init is not None else None,
+            # The attempt's run directory, the job's checkpoints and its DPTRAIN_OUTPUT_DIR.
+            writable=(run_dir, checkpoint_dir, output_dir),
+            # The job's code tree, the data root and the folder of its pinned init_from checkpoint;
+            # its Python environment joins them once it has one (workers/pyenv/provision.py).
+            read_only=tuple(
+                p for p in (code_dir, settings.data_root, init.folder if init else None) if p is not None
+            ),
             gpus=spec.resources.device == "cuda",
-            uid=run_as.uid if root and run_as else None,
-            gid=run_as.gid if root and run_as else None,
+            uid=switch_to.uid if switch_to else None,
+            gid=switch_to.gid if switch_to else None,
         )
     return RankSetup(cwd=scratch.workdir, env=env, run_as=run_as, box=box, unsandboxed=why, code_dir=code_dir)
 
