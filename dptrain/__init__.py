@@ -70,9 +70,8 @@ from rank_contract.env import (
     KEEP_LAST_ENV,
     OUTPUT_DIR_ENV,
     RUN_DIR_ENV,
-    finished_file,
-    stop_file,
 )
+from rank_contract.layout import RunFiles
 
 if TYPE_CHECKING:
     from dptrain.client import Client
@@ -141,10 +140,10 @@ class _Run:
 
     def writer(self) -> Any:
         """Rank 0's event writer (opened once, kept open: a report is one line and one flush)."""
-        from workers.engine.events import EventWriter, events_path
+        from workers.engine.events import EventWriter
 
         if self.events is None:
-            self.events = EventWriter(events_path(self.run_dir, self.rank), self.rank)
+            self.events = EventWriter(RunFiles(self.run_dir).rank_events(self.rank), self.rank)
         return self.events
 
     def manager(self) -> Any:
@@ -268,7 +267,7 @@ def output_dir(default: str | os.PathLike[str] = "out") -> Path:
 def should_stop() -> bool:
     """Whether dptrain asks this run to stop (cancel or deadline): save a checkpoint and exit 0."""
     run_dir = os.environ.get(RUN_DIR_ENV)
-    return stop_file(run_dir).exists() if run_dir else False
+    return RunFiles(Path(run_dir)).stop.exists() if run_dir else False
 
 
 def finish() -> None:
@@ -293,7 +292,7 @@ def finish() -> None:
             stream.flush()
     run_dir = os.environ.get(RUN_DIR_ENV)
     if run_dir:
-        marker = finished_file(run_dir, int(os.environ.get("RANK", "0")))
+        marker = RunFiles(Path(run_dir)).finished(int(os.environ.get("RANK", "0")))
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
 

@@ -10,10 +10,8 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["CHECKPOINTS_FOLDER", "MAX_STEP", "checkpoint_name", "step_of"]
+__all__ = ["MAX_STEP", "checkpoint_name", "step_of"]
 
-# The folder of a job's checkpoints in its folder on the artifact root (`jobs/<id>/checkpoints`).
-CHECKPOINTS_FOLDER = "checkpoints"
 # ASCII digits only (`\d` takes any Unicode digit), matched whole (`$` also matches before a newline).
 _NAME = re.compile(r"ckpt-([0-9]{9})\.pt")
 MAX_STEP = 10**9 - 1  # the most nine digits hold

@@ -7,7 +7,6 @@ ranks' SDK (`dptrain`), the command wrapper (`workers.command.main`) and the eng
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 __all__ = [
     "ALLOWED_ENTRYPOINTS_ENV",
@@ -16,18 +15,13 @@ __all__ = [
     "CODE_DIR_ENV",
     "DATA_ROOT_ENV",
     "EXCEPTION_FILE_ENV",
-    "FINISHED_DIR_NAME",
     "INIT_CHECKPOINT_ENV",
     "JOB_ID_ENV",
     "KEEP_LAST_ENV",
     "OUTPUT_DIR_ENV",
     "RUN_DIR_ENV",
-    "STOP_FILE_NAME",
     "SUPERVISOR_ENV",
-    "exception_file",
-    "finished_file",
     "sdk_env",
-    "stop_file",
 ]
 
 JOB_ID_ENV = "DPTRAIN_JOB_ID"
@@ -58,32 +52,10 @@ INIT_CHECKPOINT_ENV = "DPTRAIN_INIT_CHECKPOINT"
 # The worker's own setting, passed through to the ranks: the module prefixes an entrypoint may name
 # when the job uploaded no code (the engine checks it again where the code runs).
 ALLOWED_ENTRYPOINTS_ENV = "DPTRAIN_ALLOWED_ENTRYPOINTS"
-# The runner creates RUN_DIR/STOP_FILE_NAME on cancel or deadline, `cancel_grace_seconds` before
-# it SIGTERMs the ranks: a script that polls `dptrain.should_stop()` saves and leaves in time.
-STOP_FILE_NAME = "stop"
-# `dptrain.finish()` leaves RUN_DIR/FINISHED_DIR_NAME/rank{RANK} once the rank is past its final
-# barrier: the rank wrapper (workers.command.main) then takes a crash during interpreter exit for
-# what it is, a teardown fault after the work was done, rather than a failed rank.
-FINISHED_DIR_NAME = "finished"
 # Set by the command wrapper (workers/command/main.py) for its program alone: where dptrain's
 # start-up hook in the program's interpreter (workers/command/rank_hook/sitecustomize.py) writes the
 # exception that ended it, as JSON (type, message, traceback, rank).
 EXCEPTION_FILE_ENV = "DPTRAIN_EXCEPTION_FILE"
-
-
-def stop_file(run_dir: str | os.PathLike[str]) -> Path:
-    """The file whose existence asks the ranks of the attempt in `run_dir` to save and stop."""
-    return Path(run_dir) / STOP_FILE_NAME
-
-
-def finished_file(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    """The file that says rank `rank` of the attempt in `run_dir` returned from `dptrain.finish()`."""
-    return Path(run_dir) / FINISHED_DIR_NAME / f"rank{rank}"
-
-
-def exception_file(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    """Where the program of rank `rank` of the attempt in `run_dir` records the exception that ended it."""
-    return Path(run_dir) / "exceptions" / f"rank{rank}.json"
 
 
 def sdk_env(

@@ -6,8 +6,9 @@ The worker reads them in workers/reporting/stacks.py.
   (workers/engine/agent.py), and the RANK torchrun sets in it never reaches /proc/PID/environ,
   which keeps the agent's environment. Its process name (/proc/PID/comm) does: `dptrain-r3`.
 - A collective's timeout (Gloo's transport, NCCL's watchdog): the rank that hit it waits, a few
-  seconds at most, for its node's worker to dump the others (`stacks_taken_file`) before it exits,
-  since torchrun tears them all down as soon as one rank exits.
+  seconds at most, for its node's worker to dump the others (rank_contract.layout's
+  `RunFiles.stacks_taken`) before it exits, since torchrun tears them all down as soon as one rank
+  exits.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import re
 import time
 from pathlib import Path
 
+from rank_contract.layout import RunFiles
+
 PREFIX = "dptrain-r"
 _NAME = re.compile(rf"{PREFIX}(\d+)")
 _COLLECTIVE_TIMEOUT = re.compile(
     r"Watchdog caught collective operation timeout|gloo.*Timed out|Timed out.*gloo", re.S
 )
-# Written into the attempt's run directory by the worker once it has dumped the ranks' stacks.
-STACKS_TAKEN_FILE_NAME = "stacks-taken"
 # How long a rank whose collective timed out waits for that dump: a dump takes a second or two, and
 # a worker without py-spy writes the file at once.
 AWAIT_DUMP_SECONDS = 10.0
@@ -47,13 +48,9 @@ def collective_timed_out(message: str) -> bool:
     return bool(_COLLECTIVE_TIMEOUT.search(message))
 
 
-def stacks_taken_file(run_dir: str | os.PathLike[str]) -> Path:
-    """The file whose existence says the worker has dumped this attempt's ranks."""
-    return Path(run_dir) / STACKS_TAKEN_FILE_NAME
-
-
 def await_dump(run_dir: str | os.PathLike[str], *, seconds: float = AWAIT_DUMP_SECONDS) -> None:
     """Wait until the worker has dumped the ranks' stacks, or `seconds` have passed."""
     deadline = time.monotonic() + seconds
-    while not stacks_taken_file(run_dir).exists() and time.monotonic() < deadline:
+    taken = RunFiles(Path(run_dir)).stacks_taken
+    while not taken.exists() and time.monotonic() < deadline:
         time.sleep(0.1)

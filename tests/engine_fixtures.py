@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from rank_contract.layout import RunFiles
 from workers.attempt.launch import torchrun_command
 from workers.engine.checkpoint import checkpoint_name
-from workers.engine.events import events_path
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN_TIMEOUT_S = 120
@@ -30,7 +30,7 @@ TORCHRUN_TIMEOUT_S = 120
 
 def read_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     """The events rank `rank` of a run wrote, as the JSON objects on its lines (empty if none)."""
-    path = events_path(run_dir, rank)
+    path = RunFiles(run_dir).rank_events(rank)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -198,7 +198,7 @@ def train_in_process(spec: Any, plan: Any, run_dir: Path) -> dict[str, Any]:
     from workers.engine.events import EventWriter
     from workers.engine.trainer import Trainer
 
-    events = EventWriter(events_path(run_dir, 0), 0)
+    events = EventWriter(RunFiles(run_dir).rank_events(0), 0)
     checkpoints = CheckpointManager(
         run_dir / "checkpoints", spec.checkpoint.keep_last, True, spec.checkpoint.every_steps
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -367,6 +368,167 @@ def test_no_import_cycles_between_our_files() -> None:
     }
     named = sorted(sorted(str(files[m].relative_to(ROOT)) for m in cycle) for cycle in cycles)
     assert named == [], f"import cycles between files (each imports the others, directly or not): {named}"
+
+
+# --- Only rank_contract/layout.py builds paths under the artifact root -------------------------------
+#
+# The rule, checked on the syntax tree: outside the layout module, no path is built from a name the
+# layout defines. A path is built by `/`, by os.path.join, Path(...), .joinpath(...), .with_name(...),
+# and by the functions that take a folder's relative path (rank_contract.files, workers.tail); a
+# name is one of `layout.NAMES` or a templated name the layout makes (`attempt-{n}`, `rank{k}.log`),
+# written as a literal, an f-string or a module constant of the same file. An absolute literal
+# ("/tmp") is a host path, never one under the artifact root.
+_LAYOUT_TEMPLATES = ("attempt-*", "node-*", "rank*.log", "rank*.jsonl", "rank*.json", "rank*", "*.tar.gz")
+_PATH_BUILDERS = frozenset({
+    "join", "joinpath", "Path", "PurePath", "PosixPath", "with_name",
+    "open_beneath", "read_beneath", "create_beneath", "touch_beneath", "open_folder", "folder", "TailSet",
+})  # fmt: skip
+# (name, the path it is joined to): a job's Python environment builds in its own folder of the
+# environment cache (`<env>/setup/tmp`), which is not under the artifact root.
+_NOT_THE_LAYOUTS = frozenset({("tmp", "root / 'setup'"), ("tmp", "setup")})
+_HOLE = "\x00"  # what an f-string's `{...}` stands for
+
+
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    """`NAME = "text"` (and `A, B = "a", "b"`) at module level: names a path may be built from."""
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs: list[tuple[ast.expr, ast.expr]] = [(target, node.value)]
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(target.elts, node.value.elts, strict=False))
+            for name, value in pairs:
+                if (
+                    isinstance(name, ast.Name)
+                    and isinstance(value, ast.Constant)
+                    and isinstance(value.value, str)
+                ):
+                    found[name.id] = value.value
+    return found
+
+
+def _path_text(node: ast.expr, strings: dict[str, str]) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return strings.get(node.id)
+    if isinstance(node, ast.JoinedStr):
+        return "".join(
+            v.value if isinstance(v, ast.Constant) else (_path_text(v.value, strings) or _HOLE)
+            for v in node.values
+            if isinstance(v, (ast.Constant, ast.FormattedValue))
+        )
+    return None
+
+
+def _layout_name_in(text: str) -> str | None:
+    from rank_contract import layout
+
+    if text.startswith("/"):
+        return None
+    templates = [re.compile(re.escape(t).replace(r"\*", "[^/]+")) for t in _LAYOUT_TEMPLATES]
+    for segment in text.split("/"):
+        if segment in layout.NAMES or (_HOLE in segment and any(t.fullmatch(segment) for t in templates)):
+            return segment.replace(_HOLE, "{}")
+    return None
+
+
+def _layout_paths_built(source: str) -> list[tuple[int, str]]:
+    """(line, name) for each path `source` builds from a name of the job layout."""
+    tree = ast.parse(source)
+    strings = _string_constants(tree)
+    found = []
+    for node in ast.walk(tree):
+        joined: list[tuple[ast.expr, ast.expr | None]] = []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            joined = [(node.right, node.left), (node.left, None)]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            called = (
+                func.attr
+                if isinstance(func, ast.Attribute)
+                else func.id
+                if isinstance(func, ast.Name)
+                else ""
+            )
+            if called in _PATH_BUILDERS:
+                joined = [(arg, None) for arg in node.args]
+        for part, onto in joined:
+            text = _path_text(part, strings)
+            name = _layout_name_in(text) if text is not None else None
+            if (
+                name is not None
+                and (name, ast.unparse(onto) if onto is not None else "") not in _NOT_THE_LAYOUTS
+            ):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_only_the_layout_module_builds_paths_under_the_artifact_root() -> None:
+    # One module names every folder and file of a job (rank_contract/layout.py): the API, the worker
+    # and the ranks then look for a job's files where they are, and a change of the layout is one edit.
+    layout_module = ROOT / "rank_contract" / "layout.py"
+    built = {
+        f"{path.relative_to(ROOT)}:{line}": name
+        for package in ("service", "workers", "dptrain", "rank_contract", "dptrain_server", "api_schemas")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path != layout_module
+        for line, name in _layout_paths_built(path.read_text())
+    }
+    assert built == {}, f"paths built from the job layout's names outside rank_contract/layout.py: {built}"
+
+
+class TestTheLayoutRule:
+    """The rule above catches each way a path under the artifact root was built before the layout."""
+
+    @pytest.mark.parametrize(
+        ("source", "name"),
+        [
+            ('p = run_dir / "logs" / f"rank{rank}.log"', "rank{}.log"),
+            ('p = artifacts / "jobs" / job_id', "jobs"),
+            ('p = os.path.join(root, "checkpoints")', "checkpoints"),
+            ('p = job_dir / f"attempt-{n}" / f"node-{r}"', "node-{}"),
+            ('f = open_beneath(root, f"jobs/{job_id}/checkpoints/{name}")', "jobs"),
+            ('TMP = "tmp"\ndef f(run_dir):\n    return run_dir / TMP', "tmp"),
+            ('tails = TailSet(run_dir, "events", "rank*.jsonl")', "events"),
+            ('p = Path(run_dir, "spec.json")', "spec.json"),
+        ],
+    )
+    def test_a_path_built_from_a_layout_name_is_caught(self, source: str, name: str) -> None:
+        found = [n for _, n in _layout_paths_built(source)]
+        assert name in found, f"expected {name!r} among the names caught in {source!r}, got {found}"
+
+    @pytest.mark.parametrize(
+        "source",
+        [
+            'router = v1_router("jobs")',  # a URL's words, no path
+            'rows = {"logs": [], "checkpoints": []}',
+            'short = Path("/tmp")',  # a host path
+            'url = f"/v1/jobs/{job_id}/checkpoints"',
+            'p = cache / f"{key}.lock"',
+            'p = root / "setup" / "tmp"',  # an environment's own build folder
+        ],
+    )
+    def test_other_strings_are_left_alone(self, source: str) -> None:
+        assert _layout_paths_built(source) == [], source
+
+    def test_the_templates_cover_every_name_the_layout_makes(self) -> None:
+        # A name added to the layout is refused elsewhere only once NAMES or a template says it.
+        from rank_contract import layout
+
+        job = layout.JobFiles(Path("/root"), "0" * 32)
+        run = job.run(2, 1)
+        made = [job.checkpoints, job.outputs, job.init, run.spec, run.pid, run.stop, run.stacks_taken]
+        made += [run.launcher_log, run.setup_log, run.rank_log(3), run.rank_events(3), run.exception(3)]
+        made += [run.finished(3), *run.scratch, layout.code_archive(Path("/root"), "f" * 64)]
+        segments = {s for p in made for s in p.relative_to("/root").parts} - {"0" * 32}
+        templates = [re.compile(re.escape(t).replace(r"\*", "[0-9a-f]+")) for t in _LAYOUT_TEMPLATES]
+        unnamed = {
+            s for s in segments if s not in layout.NAMES and not any(t.fullmatch(s) for t in templates)
+        }
+        assert unnamed == set(), f"names the layout makes that the rule does not know: {unnamed}"
 
 
 # The submit gate (service/jobs/submit.py): what every new job must pass is decided there, once.

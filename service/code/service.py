@@ -6,6 +6,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from rank_contract.layout import code_archive
 from service.code import repository, storage
 from service.config import Settings
 from service.errors import Forbidden, NotFound, invalid_field
@@ -46,7 +47,7 @@ def too_large_message(settings: Settings) -> str:
 def stored_size(session: Session, *, sha256: str, artifacts: Path) -> int | None:
     """The size of the archive if the server has it (its row and its file), else None."""
     size = repository.size_of(session, sha256=sha256)
-    if size is None or not storage.archive_path(artifacts, sha256).is_file():
+    if size is None or not code_archive(artifacts, sha256).is_file():
         return None
     return size
 
@@ -120,4 +121,4 @@ def readable_archive(session: Session, *, user: User, sha256: str, artifacts: Pa
     """The archive's file for an admin or an uploader; NotFound for anyone else, as for an unknown one."""
     if usable_size(session, user=user, sha256=sha256, artifacts=artifacts) is None:
         raise NotFound(f"no code archive {sha256}")
-    return storage.archive_path(artifacts, sha256)
+    return code_archive(artifacts, sha256)

@@ -1,6 +1,6 @@
-"""Where code archives live on disk: `<artifact root>/code/<sha256>.tar.gz`.
+"""Code archives on disk (`<artifact root>/code/<sha256>.tar.gz`, rank_contract.layout): received and swept.
 
-Workers import `archive_path` to find an archive, so this module stays free of FastAPI and SQL.
+Free of FastAPI and SQL: the worker's reconciler sweeps partial uploads with it.
 """
 
 from __future__ import annotations
@@ -16,18 +16,7 @@ from typing import Any, BinaryIO
 
 import anyio.to_thread
 
-CODE_DIR = "code"
-
-
-def code_dir(artifacts: Path) -> Path:
-    """The folder of every code archive (and of uploads still being written)."""
-    return artifacts / CODE_DIR
-
-
-def archive_path(artifacts: Path, sha256: str) -> Path:
-    """The stored archive whose content hashes to `sha256` (64 lower-case hex digits)."""
-    return code_dir(artifacts) / f"{sha256}.tar.gz"
-
+from rank_contract.layout import code_archive, code_folder
 
 GZIP_MAGIC = b"\x1f\x8b"
 # An upload being received; left behind only by an API process that died mid-upload.
@@ -55,14 +44,14 @@ class Received:
 
     def keep(self, artifacts: Path) -> Path:
         """Move the file into place as the archive of its hash (atomic: readers see all or nothing)."""
-        dest = archive_path(artifacts, self.sha256)
+        dest = code_archive(artifacts, self.sha256)
         os.replace(self.path, dest)
         return dest
 
 
 async def receive(chunks: AsyncIterable[bytes], *, artifacts: Path, max_bytes: int) -> Received:
     """Stream `chunks` to a temporary file in the code folder while hashing; TooLarge past `max_bytes`."""
-    folder = code_dir(artifacts)
+    folder = code_folder(artifacts)
     folder.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=folder, prefix=_PARTIAL_PREFIX, suffix=_PARTIAL_SUFFIX)
     path = Path(name)
@@ -106,7 +95,7 @@ def sweep_partial_uploads(artifacts: Path, *, older_than_seconds: float) -> int:
     """Delete uploads that a dead API process left half-received; returns how many."""
     cutoff = time.time() - older_than_seconds
     swept = 0
-    for path in code_dir(artifacts).glob(f"{_PARTIAL_PREFIX}*{_PARTIAL_SUFFIX}"):
+    for path in code_folder(artifacts).glob(f"{_PARTIAL_PREFIX}*{_PARTIAL_SUFFIX}"):
         try:
             if path.stat().st_mtime < cutoff:
                 path.unlink()

@@ -8,15 +8,11 @@ from typing import BinaryIO
 from sqlalchemy.orm import Session
 
 from api_schemas import ArtifactInfo, ArtifactList
+from rank_contract.layout import JobFiles
 from service.errors import NotFound
 from service.files import open_beneath
 from service.jobs import artifacts_repository, service
 from service.models import JobArtifact, User
-
-
-def output_dir(artifact_root: Path, job_id: str) -> Path:
-    """The job's DPTRAIN_OUTPUT_DIR on the artifact root (workers.attempt.node_run.RunPaths.output_dir)."""
-    return artifact_root / "jobs" / job_id / "outputs"
 
 
 def list_artifacts(session: Session, *, user: User, job_id: str) -> ArtifactList:
@@ -37,7 +33,7 @@ def open_artifact(
     if row is None:
         raise NotFound(f"job {job_id!r} has no artifact {path!r}")
     # Never through a link, whatever the row says: the ranks of a later attempt may plant one.
-    f = open_beneath(output_dir(artifact_root, job_id), path)
+    f = open_beneath(JobFiles(artifact_root, job_id).outputs, path)
     if f is None:
         raise NotFound(f"artifact {path!r} of job {job_id!r} is no longer available")
     return row, f

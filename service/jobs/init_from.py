@@ -3,9 +3,10 @@
 Pinned by hard link: checkpoint files are never rewritten in place (a save writes aside and renames,
 pruning unlinks), so a second name for the inode is an immutable copy that costs no bytes and no
 time, and survives the source's keep_last pruning and the removal of its folder. The link lives in
-the new job's own folder (`jobs/<id>/init/`), with the checkpoint's sidecars, and the sha256 the
-source recorded is kept on the new job: its attempts verify the file against it before the first
-step (workers/attempt/init_checkpoint.py). A copy is made only where a link cannot be (another file system).
+the new job's own folder (`jobs/<id>/init/`, rank_contract.layout's `JobFiles.init`), with the
+checkpoint's sidecars, and the sha256 the source recorded is kept on the new job: its attempts
+verify the file against it before the first step (workers/attempt/init_checkpoint.py). A copy is
+made only where a link cannot be (another file system).
 
 The source file is the source job's checkpoint of that step in its own folder, opened there with
 no link followed (service.jobs.checkpoint_files), never the path its row holds; the link is made
@@ -24,7 +25,7 @@ from typing import Any, BinaryIO
 from sqlalchemy.orm import Session
 
 from api_schemas import InitFrom
-from rank_contract.checkpoints import checkpoint_name
+from rank_contract.layout import JobFiles
 from service.errors import NotFound, invalid_field
 from service.jobs import repository
 from service.jobs.checkpoint_files import open_checkpoint
@@ -52,7 +53,7 @@ def row_values(
         "init_job": source.id,
         "init_step": ckpt.step,
         "init_sha256": ckpt.sha256,
-        "init_path": str(pinned_dir(artifacts.resolve(), job_id) / checkpoint_name(ckpt.step)),
+        "init_path": str(JobFiles(artifacts.resolve(), job_id).init_checkpoint(ckpt.step)),
     }
 
 
@@ -88,11 +89,6 @@ def choose(rows: Sequence[Checkpoint], *, init: InitFrom) -> Checkpoint:
     return max(rows, key=lambda c: c.step)
 
 
-def pinned_dir(artifacts: Path, job_id: str) -> Path:
-    """Where the new job's pinned init checkpoint lies: a folder of its own, bound read-only for its ranks."""
-    return artifacts / "jobs" / job_id / "init"
-
-
 def pin(*, artifacts: Path, job_id: str, source: Checkpoint) -> Path:
     """Link (or copy) the source checkpoint and its sidecars into the new job's folder; the file's path.
 
@@ -100,21 +96,21 @@ def pin(*, artifacts: Path, job_id: str, source: Checkpoint) -> Path:
     never there: a row's stored path is not looked at).
     """
     root = artifacts.resolve()
-    name = checkpoint_name(source.step)
+    files = JobFiles(root, job_id)
+    dest = files.init_checkpoint(source.step)
     src = open_checkpoint(root, job_id=source.job_id, step=source.step)
     if src is None:
         msg = f"the checkpoint of step {source.step} is no longer available (pruned meanwhile?)"
         raise invalid_field(_LOC, msg, source.job_id)
-    folder = pinned_dir(root, job_id)
-    folder.mkdir(parents=True, exist_ok=True)
+    files.init.mkdir(parents=True, exist_ok=True)
     with src:
-        _link_or_copy(src, folder / name)
+        _link_or_copy(src, dest)
     for suffix in SIDECARS:
         sidecar = open_checkpoint(root, job_id=source.job_id, step=source.step, suffix=suffix)
         if sidecar is not None:
             with sidecar:
-                _link_or_copy(sidecar, folder / (name + suffix))
-    return folder / name
+                _link_or_copy(sidecar, dest.with_name(dest.name + suffix))
+    return dest
 
 
 def _link_or_copy(src: BinaryIO, dest: Path) -> None:

@@ -11,7 +11,7 @@ from service.models.base import Base, utcnow
 
 
 class CodeArchive(Base):
-    """One stored `.tar.gz`; its file is `service.code.storage.archive_path(artifacts, sha256)`."""
+    """One stored `.tar.gz`; its file is `rank_contract.layout.code_archive(artifacts, sha256)`."""
 
     __tablename__ = "code_archives"
 

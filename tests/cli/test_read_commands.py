@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api_schemas import JobStatus
+from rank_contract.layout import JobFiles
 from service.jobs import lifecycle
-from service.jobs.artifacts import output_dir
 from service.models import Checkpoint, Job, LogLine, Metric
 from tests.api_fixtures import register_node
 from tests.backends import sessions_of
@@ -174,7 +174,7 @@ def test_status_names_the_error_type_and_rank_and_whether_the_job_restarts(
 
 
 def test_artifacts_are_listed_and_downloaded_checked(api: TestClient, job_id: str, tmp_path: Path) -> None:
-    out = output_dir(Path(api.app.state.settings.artifacts), job_id)
+    out = JobFiles(Path(api.app.state.settings.artifacts), job_id).outputs
     (out / "samples").mkdir(parents=True)
     (out / "samples" / "[bold]a.txt").write_bytes(b"generated text")
     limits = Limits(max_bytes=1 << 20, max_files=10)

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select, update
 
 from dptrain.client import Client
-from service.code.storage import archive_path, code_dir
+from rank_contract.layout import code_archive, code_folder
 from service.config import Settings
 from service.models import Checkpoint, CodeArchive, CodeUpload, Job, User
 from service.models.base import utcnow
@@ -76,7 +76,7 @@ def artifacts(api: TestClient) -> Path:
 
 def stored(api: TestClient) -> tuple[list[str], int, int]:
     """The files in the code folder (temporary ones included), the archive rows, the uploader rows."""
-    folder = code_dir(artifacts(api))
+    folder = code_folder(artifacts(api))
     files = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     with sessions_of(api)() as s:
         archives = s.execute(select(func.count()).select_from(CodeArchive)).scalar_one()
@@ -104,13 +104,13 @@ class TestUpload:
         again = api.put(f"/v1/code/{sha}", content=body, headers=GZIP)
         assert again.status_code == 200, f"a second upload of the same bytes is 200: {again.text}"
         assert stored(api) == ([f"{sha}.tar.gz"], 1, 1), "one file, one archive row, one uploader"
-        assert archive_path(artifacts(api), sha).read_bytes() == body
+        assert code_archive(artifacts(api), sha).read_bytes() == body
 
     def test_a_streamed_body_without_content_length_is_stored(self, api: TestClient) -> None:
         body, sha = archive("x = 1\n")
         r = api.put(f"/v1/code/{sha}", content=chunked(body), headers=GZIP)
         assert r.status_code == 201, r.text
-        assert archive_path(artifacts(api), sha).read_bytes() == body
+        assert code_archive(artifacts(api), sha).read_bytes() == body
 
     def test_a_body_whose_hash_differs_is_422_at_the_path_and_not_kept(self, api: TestClient) -> None:
         body, sha = archive()
@@ -398,7 +398,7 @@ def test_retention_deletes_old_archives_no_job_uses(api: TestClient) -> None:
 
 
 def test_uploads_left_half_received_are_swept_after_a_day(api: TestClient) -> None:
-    folder = code_dir(artifacts(api))
+    folder = code_folder(artifacts(api))
     folder.mkdir(parents=True, exist_ok=True)
     stale, live = folder / ".upload-dead.part", folder / ".upload-live.part"
     for part in (stale, live):

@@ -22,9 +22,9 @@ import psutil
 import pytest
 import yaml
 
+from rank_contract.layout import RunFiles
 from tests.conftest import job_spec
 from tests.e2e.helpers import Procs, clean_env, wait_for_terminal, wait_healthy
-from workers.engine.events import events_path
 from workers.sandbox.procs import rank_processes
 
 pytestmark = pytest.mark.e2e
@@ -90,7 +90,7 @@ def _wait_running(http: httpx.Client, job_id: str, *, attempt: int, step: int, u
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     """The events rank 0 of one attempt wrote (workers/engine/events.py)."""
-    lines = events_path(run_dir, 0).read_text().splitlines()
+    lines = RunFiles(run_dir).rank_events(0).read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 

@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from api_schemas.recipes import MlpParams
+from rank_contract.layout import RunFiles
 from workers.engine.batch_sampler import GlobalBatchSampler
 from workers.engine.checkpoint import checkpoint_name
 from workers.engine.config import configure
@@ -26,7 +27,6 @@ from workers.engine.events import (
     MetricsEvent,
     StartedEvent,
     WarningEvent,
-    events_path,
     parse_event,
 )
 from workers.engine.faults import parse_fault
@@ -138,12 +138,12 @@ def _one_of_each(writer: EventWriter) -> list[Event]:
 
 
 def test_every_event_kind_round_trips_through_its_line(tmp_path: Path) -> None:
-    writer = EventWriter(events_path(tmp_path, 1), 1)
+    writer = EventWriter(RunFiles(tmp_path).rank_events(1), 1)
     written = _one_of_each(writer)
     writer.close()
     kinds = {get_args(cls.model_fields["type"].annotation)[0] for cls in get_args(get_args(Event)[0])}
     assert {e.type for e in written} == kinds, "the sample must hold every kind of event"
-    lines = events_path(tmp_path, 1).read_text().splitlines()
+    lines = RunFiles(tmp_path).rank_events(1).read_text().splitlines()
     read = [parse_event(line) for line in lines]
     # NaN != NaN: compare the lines' JSON text for the metrics, the models for the rest.
     assert [e.model_dump_json() for e in read] == [e.model_dump_json() for e in written], lines

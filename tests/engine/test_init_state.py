@@ -12,9 +12,10 @@ import torch
 
 from api_schemas import JobSpec
 from rank_contract.env import INIT_CHECKPOINT_ENV
+from rank_contract.layout import RunFiles
 from tests.engine_fixtures import assert_bitwise_equal
 from workers.engine.checkpoint import checkpoint_name
-from workers.engine.events import StartedEvent, events_path, parse_event
+from workers.engine.events import StartedEvent, parse_event
 from workers.engine.main import main
 
 SOURCE = "a" * 32
@@ -34,7 +35,7 @@ def _run(make_spec: Any, tmp_path: Path, name: str, ckpt: Path, **over: Any) -> 
     (run_dir / "spec.json").write_text(json.dumps(spec.model_dump(mode="json")))
     argv = ["--job-id", name, "--spec", str(run_dir / "spec.json"), "--run-dir", str(run_dir)]
     main([*argv, "--checkpoint-dir", str(ckpt)])
-    lines = events_path(run_dir, 0).read_text().splitlines()
+    lines = RunFiles(run_dir).rank_events(0).read_text().splitlines()
     return [e.start_iter for e in map(parse_event, lines) if isinstance(e, StartedEvent)]
 
 

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from rank_contract.layout import JobFiles
 from service.config import Settings
-from service.jobs.artifacts import output_dir
 from service.models import JobArtifact
 from tests.api_fixtures import add_user, as_user, submit
 from workers.attempt.outputs import Limits, record
@@ -22,7 +22,7 @@ ROOMY = Limits(max_bytes=1 << 20, max_files=100)
 def job(client: TestClient, settings: Settings, sessions: sessionmaker[Session], tmp_path: Path) -> str:
     """A job whose outputs hold two files and a link to a secret, scanned as an attempt's end does."""
     jid = str(submit(client)["id"])
-    out = output_dir(settings.artifacts, jid)
+    out = JobFiles(settings.artifacts, jid).outputs
     (out / "final").mkdir(parents=True)
     (out / "ckpt.pt").write_bytes(b"weights" * 100)
     (out / "final" / "model name.bin").write_bytes(b"final")
@@ -67,7 +67,7 @@ def test_links_unknown_and_malformed_paths_are_refused(client: TestClient, job: 
 def test_a_file_swapped_for_a_link_after_the_scan_is_not_served(
     client: TestClient, job: str, settings: Settings, tmp_path: Path
 ) -> None:
-    out = output_dir(settings.artifacts, job)
+    out = JobFiles(settings.artifacts, job).outputs
     (out / "ckpt.pt").unlink()
     (out / "ckpt.pt").symlink_to(tmp_path / "secret")
     assert client.get(f"/v1/jobs/{job}/artifacts/ckpt.pt").status_code == 404
@@ -90,7 +90,7 @@ def test_another_users_job_has_no_artifacts_to_them(client: TestClient, job: str
 def test_each_scan_replaces_the_last(
     client: TestClient, job: str, settings: Settings, sessions: sessionmaker[Session]
 ) -> None:
-    out = output_dir(settings.artifacts, job)
+    out = JobFiles(settings.artifacts, job).outputs
     (out / "ckpt.pt").unlink()
     (out / "step2.pt").write_bytes(b"2")
     assert record(sessions, job_id=job, attempt=2, directory=out, limits=ROOMY) is None
@@ -101,7 +101,7 @@ def test_each_scan_replaces_the_last(
 def test_over_the_cap_nothing_is_recorded_and_the_error_names_size_and_limit(
     client: TestClient, job: str, settings: Settings, sessions: sessionmaker[Session], db: Session
 ) -> None:
-    out = output_dir(settings.artifacts, job)
+    out = JobFiles(settings.artifacts, job).outputs
     error = record(sessions, job_id=job, attempt=2, directory=out, limits=Limits(max_bytes=100, max_files=9))
     assert error is not None and error.type == "OutputTooLarge"
     assert "at least 700 bytes" in error.message and "100 bytes" in error.message, error.message

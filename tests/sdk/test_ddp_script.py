@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rank_contract.env import sdk_env, stop_file
+from rank_contract.env import sdk_env
+from rank_contract.layout import RunFiles
 from workers.engine.checkpoint import checkpoint_files
-from workers.engine.events import CheckpointEvent, ErrorEvent, MetricsEvent, events_path, parse_event
+from workers.engine.events import CheckpointEvent, ErrorEvent, MetricsEvent, parse_event
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_DIR = ROOT / "tests" / "fixtures" / "ddp_script"
@@ -65,7 +66,7 @@ def test_a_command_job_stops_when_asked_and_resumes_to_the_same_parameters(
         run_dir = tmp_path / f"attempt{number}"
         if stop:  # the runner's cancel, before the first step: each rank saves once and leaves
             run_dir.mkdir()
-            stop_file(run_dir).touch()
+            RunFiles(run_dir).stop.touch()
         wrapper = ["-m", "workers.command.main", "--job-id", "job-ddp", "--on-node", "n0", "--run-dir"]
         env = sdk_env(
             job_id="job-ddp",
@@ -83,12 +84,12 @@ def test_a_command_job_stops_when_asked_and_resumes_to_the_same_parameters(
         return run_dir
 
     first = attempt(1, stop=True)
-    events = [parse_event(line) for line in events_path(first, 0).read_text().splitlines()]
+    events = [parse_event(line) for line in RunFiles(first).rank_events(0).read_text().splitlines()]
     assert [(e.type, getattr(e, "step", None)) for e in events] == [("metrics", 1), ("checkpoint", 1)]
     assert "stopping after step 1" in (first / "logs" / "rank1.log").read_text()
 
     second = attempt(2, stop=False)
-    events = [parse_event(line) for line in events_path(second, 0).read_text().splitlines()]
+    events = [parse_event(line) for line in RunFiles(second).rank_events(0).read_text().splitlines()]
     assert [e.step for e in events if isinstance(e, MetricsEvent)] == [2, 3, 4, 5, 6]
     assert [e.step for e in events if isinstance(e, CheckpointEvent)] == [2, 4, 6]
     assert not any(isinstance(e, ErrorEvent) for e in events)

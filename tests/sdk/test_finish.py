@@ -10,7 +10,8 @@ import pytest
 import torch.distributed as dist
 
 import dptrain
-from rank_contract.env import RUN_DIR_ENV, finished_file
+from rank_contract.env import RUN_DIR_ENV
+from rank_contract.layout import RunFiles
 
 
 @pytest.fixture
@@ -52,24 +53,24 @@ def test_finish_never_imports_torch_for_a_script_that_did_not(
     monkeypatch.setenv("RANK", "0")
     dptrain.finish()
     assert "torch.distributed" not in sys.modules
-    assert finished_file(tmp_path, 0).exists()
+    assert RunFiles(tmp_path).finished(0).exists()
 
 
 def test_finish_destroys_the_group_marks_the_rank_and_a_second_call_is_a_no_op(
     run_dir: Path, group: object
 ) -> None:
-    assert not finished_file(run_dir, 1).exists()
+    assert not RunFiles(run_dir).finished(1).exists()
     dptrain.finish()
     assert not dist.is_initialized(), "the process group is destroyed"
-    assert finished_file(run_dir, 1).exists(), "the rank wrapper can tell this rank ended cleanly"
+    assert RunFiles(run_dir).finished(1).exists(), "the rank wrapper can tell this rank ended cleanly"
     dptrain.finish()
-    assert not dist.is_initialized() and finished_file(run_dir, 1).exists()
+    assert not dist.is_initialized() and RunFiles(run_dir).finished(1).exists()
 
 
 def test_finishing_finishes_a_block_that_ends_normally(run_dir: Path, group: object) -> None:
     with dptrain.finishing():
         assert dist.is_initialized()
-    assert not dist.is_initialized() and finished_file(run_dir, 1).exists()
+    assert not dist.is_initialized() and RunFiles(run_dir).finished(1).exists()
 
 
 def test_finishing_lets_an_error_through_without_the_barrier_or_the_mark(
@@ -79,7 +80,7 @@ def test_finishing_lets_an_error_through_without_the_barrier_or_the_mark(
         raise ValueError("bad step")
     # No barrier the other ranks might never reach, and no mark: a crash after this is a failure.
     assert dist.is_initialized()
-    assert not finished_file(run_dir, 1).exists()
+    assert not RunFiles(run_dir).finished(1).exists()
 
 
 def test_finishing_is_also_a_decorator(run_dir: Path, group: object) -> None:
@@ -88,4 +89,4 @@ def test_finishing_is_also_a_decorator(run_dir: Path, group: object) -> None:
         return 7
 
     assert main() == 7
-    assert not dist.is_initialized() and finished_file(run_dir, 1).exists()
+    assert not dist.is_initialized() and RunFiles(run_dir).finished(1).exists()

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import dptrain
-from rank_contract.env import INIT_CHECKPOINT_ENV, RUN_DIR_ENV, sdk_env, stop_file
+from rank_contract.env import INIT_CHECKPOINT_ENV, RUN_DIR_ENV, sdk_env
+from rank_contract.layout import RunFiles
 from workers.engine.checkpoint import CheckpointManager, checkpoint_files, sha256_file
-from workers.engine.events import CheckpointEvent, Event, MetricsEvent, events_path, parse_event
+from workers.engine.events import CheckpointEvent, Event, MetricsEvent, parse_event
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _events(run_dir: Path, rank: int = 0) -> list[Event]:
-    path = events_path(run_dir, rank)
+    path = RunFiles(run_dir).rank_events(rank)
     return [parse_event(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -112,9 +113,9 @@ def test_the_engine_still_loads_only_training_states(run_dir: Path, tmp_path: Pa
 def test_should_stop_follows_the_stop_file(run_dir: Path) -> None:
     assert dptrain.should_stop() is False
     run_dir.mkdir(parents=True)
-    stop_file(run_dir).touch()
+    RunFiles(run_dir).stop.touch()
     assert dptrain.should_stop() is True
-    os.remove(stop_file(run_dir))
+    os.remove(RunFiles(run_dir).stop)
     assert dptrain.should_stop() is False
 
 
@@ -126,7 +127,7 @@ def test_other_ranks_write_nothing_but_load(
     dptrain.report(3, loss=1.0)
     assert dptrain.save_checkpoint(_state(4), 4) is None
     assert list(checkpoint_files(tmp_path / "ckpt")) == [2]
-    assert not events_path(run_dir, 1).exists()
+    assert not RunFiles(run_dir).rank_events(1).exists()
     assert [e.type for e in _events(run_dir)] == ["checkpoint"]
     state = dptrain.load_checkpoint()
     assert state is not None and state["step"] == 2

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from rank_contract.layout import JobFiles
 from service.config import Settings
-from service.jobs.artifacts import output_dir
 from service.models import Checkpoint, JobArtifact, LogLine, Metric
 from service.scheduling.service import schedule_once
 from tests.api_fixtures import SPEC, RecordingDispatcher, add_user, as_user
@@ -40,7 +40,7 @@ def two_users(client: TestClient, db: Session, settings: Settings) -> dict[str, 
         path = settings.artifacts / "jobs" / jid / "checkpoints" / checkpoint_name(1)
         path.parent.mkdir(parents=True)
         path.write_bytes(b"weights")
-        artifact = output_dir(settings.artifacts, jid) / "model.bin"
+        artifact = JobFiles(settings.artifacts, jid).outputs / "model.bin"
         artifact.parent.mkdir(parents=True)
         artifact.write_bytes(b"model")
         db.add_all(

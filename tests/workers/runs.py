@@ -16,10 +16,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobSpec, JobStatus
 from dptrain.workdir import pack
+from rank_contract.layout import code_archive
 from service.app import create_app
 from service.auth.tokens import ensure_bootstrap_admin
 from service.code import repository as code_repository
-from service.code.storage import archive_path
 from service.config import Settings
 from service.db import session_factory
 from service.jobs import lifecycle, submit
@@ -71,7 +71,7 @@ def admin_api_fixture() -> Any:
 def store_code(settings: Settings, tree: Path, work: Path) -> str:
     """Pack `tree` and store it as `PUT /v1/code/{sha256}` would have, uploaded by the admin; its sha256."""
     packed = pack(tree, work / "code.tar.gz")
-    dest = archive_path(settings.artifacts, packed.sha256)
+    dest = code_archive(settings.artifacts, packed.sha256)
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(packed.path, dest)
     # The archive's row too: the submit gate lets a spec name only an archive that was uploaded.

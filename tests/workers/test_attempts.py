@@ -11,11 +11,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.layout import RunFiles
 from service.models import Job, JobTransition
 from service.models.base import utcnow
 from workers.attempt.end import WORKER_STOPPED, end_abnormally, is_retryable, launcher_error
 from workers.attempt.node_run import Attempt
-from workers.engine.events import EventWriter, events_path
+from workers.engine.events import EventWriter
 from workers.reporting.reporter import Reporter
 
 SPEC = {"name": "a", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4, "steps": 1}}
@@ -23,7 +24,7 @@ SPEC = {"name": "a", "recipe": "mlp", "hyperparameters": {"global_batch_size": 4
 
 def _rank_error(sessions: sessionmaker[Session], run_dir: Path) -> JobError:
     """What the runner records when rank 1 raised: its error event, read back by the reporter."""
-    writer = EventWriter(events_path(run_dir, 1), 1)
+    writer = EventWriter(RunFiles(run_dir).rank_events(1), 1)
     try:
         raise RuntimeError("injected fault at step 2")
     except RuntimeError as exc:

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
+from rank_contract.layout import RunFiles
 from service.jobs import downsample_repository, repository
 from service.jobs.metrics_repository import downsample, metric_series
 from service.models import Job
@@ -25,7 +26,7 @@ from tests.backends import BACKENDS, client_on, sessions_of
 from workers.attempt.checkpoint_rows import sync_checkpoints
 from workers.attempt.node_run import Attempt
 from workers.engine.checkpoint import CheckpointManager, best_marker, checkpoint_name
-from workers.engine.events import CheckpointEvent, EventWriter, MetricsEvent, events_path
+from workers.engine.events import CheckpointEvent, EventWriter, MetricsEvent
 from workers.reporting.reporter import Reporter
 
 TOKEN = "t" * 32
@@ -57,7 +58,7 @@ def _saved(directory: Path, step: int, **fields: Any) -> CheckpointEvent:
 
 def _report(sessions: sessionmaker[Session], job_id: str, run_dir: Path, *events: Any) -> Reporter:
     """Write `events` as rank 0 and ship them in one batch (one transaction); files in run_dir/../ckpt."""
-    writer = EventWriter(events_path(run_dir, 0), 0)
+    writer = EventWriter(RunFiles(run_dir).rank_events(0), 0)
     writer.emit_many(list(events))
     writer.close()
     reporter = Reporter(

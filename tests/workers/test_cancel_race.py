@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobSpec, JobStatus
+from rank_contract.layout import JobFiles
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.jobs import service
@@ -44,8 +45,8 @@ def _end_after_stop(
     spec = job_spec(name="race", hyperparameters={"global_batch_size": 8, "steps": STEPS, "hidden_size": 8})
     job_id = submit_as_admin(sessions, spec, settings=settings)
     attempt = place_here(settings, job_id=job_id)
-    paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
-    events = EventWriter(paths.run_dir / "events" / "rank0.jsonl", rank=0)
+    paths = RunPaths(JobFiles(settings.artifacts, job_id), attempt, node_rank)
+    events = EventWriter(paths.run.folder / "events" / "rank0.jsonl", rank=0)
     events.emit(StartedEvent(world_size=2, total_steps=STEPS, device="cpu", backend="gloo"))
     events.emit(MetricsEvent(step=last_step, values={"loss": 0.5}))
     events.emit(CheckpointEvent(step=last_step, size_bytes=1, sha256="0" * 64))
@@ -58,7 +59,7 @@ def _end_after_stop(
     job = job_row(sessions, job_id)
     att = Attempt(job_id=job_id, number=attempt, token=str(job.claim_token), max_restarts=0)
     reporter = Reporter(
-        sessions=sessions, job_id=job_id, attempt=attempt, claim_token=att.token, run_dir=paths.run_dir
+        sessions=sessions, job_id=job_id, attempt=attempt, claim_token=att.token, run_dir=paths.run.folder
     )
     reporter.collect(final=True)
     cancelled = stop is StopReason.CANCEL
@@ -136,9 +137,9 @@ class TestCancelRace:
             service.cancel(s, user=ensure_bootstrap_admin(s, token=ADMIN_TOKEN), job_id=job_id)
         job = job_row(sessions, job_id)
         att = Attempt(job_id=job_id, number=attempt, token=str(job.claim_token), max_restarts=0)
-        paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
+        paths = RunPaths(JobFiles(settings.artifacts, job_id), attempt, node_rank)
         reporter = Reporter(
-            sessions=sessions, job_id=job_id, attempt=attempt, claim_token=att.token, run_dir=paths.run_dir
+            sessions=sessions, job_id=job_id, attempt=attempt, claim_token=att.token, run_dir=paths.run.folder
         )
         assert reporter.flush() and reporter.state.cancel_requested, "the report loop reads the request"
         run = NodeRun(

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.layout import JobFiles
 from service.app import create_app
 from service.config import Settings
 from service.models import LogLine
@@ -94,11 +95,11 @@ def test_a_forged_checkpoint_event_never_hands_out_another_users_files(
 ) -> None:
     bob = _submit(api, tokens["bob"], {**_command(VICTIM), "env": {"WANDB_API_KEY": "BOB-ENV-SECRET"}})
     assert run_attempt(job_id=bob, settings=sandboxed) is JobStatus.SUCCEEDED, job_row(sessions, bob).error
-    bob_paths = RunPaths(sandboxed.artifacts / "jobs" / bob, 1)
-    (bob_ckpt,) = bob_paths.checkpoint_dir.glob("ckpt-*.pt")
-    bob_log = next((bob_paths.run_dir / "logs").glob("rank*.log"), bob_paths.launcher_log)
-    victims = [bob_ckpt, bob_paths.spec_path, bob_paths.output_dir / "secret.txt", bob_log]
-    assert bob_ckpt.exists() and (bob_paths.output_dir / "secret.txt").exists(), "Bob's files are there"
+    bob_paths = RunPaths(JobFiles(sandboxed.artifacts, bob), 1)
+    (bob_ckpt,) = bob_paths.job.checkpoints.glob("ckpt-*.pt")
+    bob_log = next((bob_paths.run.folder / "logs").glob("rank*.log"), bob_paths.run.launcher_log)
+    victims = [bob_ckpt, bob_paths.run.spec, bob_paths.job.outputs / "secret.txt", bob_log]
+    assert bob_ckpt.exists() and (bob_paths.job.outputs / "secret.txt").exists(), "Bob's files are there"
 
     alice = _submit(api, tokens["alice"], _command(FORGER, *map(str, victims)))
     assert run_attempt(job_id=alice, settings=sandboxed) is JobStatus.SUCCEEDED, job_row(

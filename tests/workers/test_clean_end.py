@@ -16,11 +16,12 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from rank_contract.env import RUN_DIR_ENV, finished_file
+from rank_contract.env import RUN_DIR_ENV
+from rank_contract.layout import RunFiles
 from service.config import Settings
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
 from workers.command.clean_end import after_finish
-from workers.engine.events import ErrorEvent, WarningEvent, events_path, parse_event
+from workers.engine.events import ErrorEvent, WarningEvent, parse_event
 
 pytestmark = pytest.mark.e2e
 
@@ -64,8 +65,8 @@ def test_only_a_crash_after_finish_is_forgiven(
     tmp_path: Path, returncode: int, marked: bool, warned: bool
 ) -> None:
     if marked:
-        finished_file(tmp_path, 2).parent.mkdir()
-        finished_file(tmp_path, 2).touch()
+        RunFiles(tmp_path).finished(2).parent.mkdir()
+        RunFiles(tmp_path).finished(2).touch()
     warning = after_finish(tmp_path, 2, returncode)
     assert (warning is not None) == warned
     if warning is not None:
@@ -74,7 +75,7 @@ def test_only_a_crash_after_finish_is_forgiven(
 
 
 def _events(run_dir: Path, rank: int) -> list[object]:
-    return [parse_event(line) for line in events_path(run_dir, rank).read_text().splitlines()]
+    return [parse_event(line) for line in RunFiles(run_dir).rank_events(rank).read_text().splitlines()]
 
 
 @pytest.mark.parametrize("finish", [True, False], ids=["finished", "not-finished"])

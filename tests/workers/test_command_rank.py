@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from rank_contract.env import SUPERVISOR_ENV
-from workers.engine.events import ErrorEvent, events_path, parse_event
+from rank_contract.layout import RunFiles
+from workers.engine.events import ErrorEvent, parse_event
 from workers.engine.process import supervisor_id
 from workers.sandbox.procs import rank_processes, sweep_ranks
 
@@ -51,7 +52,7 @@ def _ready_pid(run_dir: Path) -> int:
 
 
 def _errors(run_dir: Path, rank: int = 0) -> list[ErrorEvent]:
-    path = events_path(run_dir, rank)
+    path = RunFiles(run_dir).rank_events(rank)
     events = [parse_event(line) for line in path.read_text().splitlines()] if path.exists() else []
     return [e for e in events if isinstance(e, ErrorEvent)]
 

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
-from rank_contract.env import exception_file
+from rank_contract.layout import JobFiles, RunFiles
 from service.config import Settings
 from tests.workers.runs import job_row, node_fixtures, run_attempt, store_code, submit_as_admin
 from workers.attempt.node_run import RunPaths
@@ -104,8 +104,8 @@ def test_a_bug_fails_the_job_at_once_with_its_type_and_rank(
     assert error.traceback.splitlines()[-1].startswith(error_type), error.traceback
     if error_type == "AssertionError":
         # Recorded by dptrain's start-up hook, inside the sandbox, for each rank's program.
-        run_dir = RunPaths(settings.artifacts / "jobs" / job_id, 1).run_dir
-        assert all(exception_file(run_dir, r).is_file() for r in (0, 1)), sorted(run_dir.rglob("*"))
+        run_dir = RunPaths(JobFiles(settings.artifacts, job_id), 1).run.folder
+        assert all(RunFiles(run_dir).exception(r).is_file() for r in (0, 1)), sorted(run_dir.rglob("*"))
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import torch
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.layout import JobFiles
 from service.auth.tokens import ensure_bootstrap_admin
 from service.config import Settings
 from service.jobs import service
@@ -24,7 +25,7 @@ from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, run_in_thread, submit_as_admin
 from workers.attempt.node_run import RunPaths
 from workers.engine.checkpoint import checkpoint_name
-from workers.engine.events import StartedEvent, events_path, parse_event
+from workers.engine.events import StartedEvent, parse_event
 
 pytestmark = pytest.mark.e2e
 
@@ -43,16 +44,16 @@ settings, sessions = node_fixtures()
 
 
 def _paths(settings: Settings, job_id: str, attempt: int = 1) -> RunPaths:
-    return RunPaths(job_dir=settings.artifacts / "jobs" / job_id, attempt=attempt)
+    return RunPaths(JobFiles(settings.artifacts, job_id), attempt=attempt)
 
 
 def _state(settings: Settings, job_id: str, step: int) -> dict[str, Any]:
-    path = _paths(settings, job_id).checkpoint_dir / checkpoint_name(step)
+    path = _paths(settings, job_id).job.checkpoints / checkpoint_name(step)
     return dict(torch.load(path, weights_only=True))
 
 
 def _start_iters(settings: Settings, job_id: str) -> list[int]:
-    lines = events_path(_paths(settings, job_id).run_dir, 0).read_text().splitlines()
+    lines = _paths(settings, job_id).run.rank_events(0).read_text().splitlines()
     return [e.start_iter for e in map(parse_event, lines) if isinstance(e, StartedEvent)]
 
 
@@ -131,13 +132,13 @@ def test_a_fine_tune_takes_the_best_checkpoints_weights_with_a_fresh_optimizer_a
     for name, weights in source["model"].items():
         moved = (got["model"][name] - weights).abs().max().item()
         assert moved <= 1e-2, f"{name}: {moved:.3g} from the best checkpoint's weights: not started from them"
-    log = (_paths(settings, job_id).run_dir / "logs" / "rank0.log").read_text()
+    log = (_paths(settings, job_id).run.folder / "logs" / "rank0.log").read_text()
     assert "fine-tuning: model weights only" in log, log
     if os.getuid() == 0:
         # A root worker hands the pinned folder to the ranks' user: first made a copy of its own, so
         # the source's file (the same inode until then) stays the worker's.
         pinned = Path(str(job_row(sessions, job_id).init_path))
-        original = _paths(settings, reference).checkpoint_dir / checkpoint_name(best)
+        original = _paths(settings, reference).job.checkpoints / checkpoint_name(best)
         assert not os.path.samefile(pinned, original) and original.stat().st_uid == 0
 
 
@@ -160,4 +161,4 @@ def test_a_pinned_file_that_does_not_verify_fails_the_attempt_unretried_before_a
     assert job.attempt == 1, "a restart would read the same file: not retried"
     assert error.type == "InitCheckpointMismatch", error
     assert f"job {reference}, step 20" in error.message and "recorded at submit" in error.message, error
-    assert not events_path(_paths(settings, job_id).run_dir, 0).exists(), "no rank started"
+    assert not _paths(settings, job_id).run.rank_events(0).exists(), "no rank started"

@@ -14,9 +14,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
+from rank_contract.layout import RunFiles
 from service.models import Job, JobTransition, LogLine, Metric
 from tests.conftest import job_spec
-from workers.engine.events import events_path
 from workers.reporting.metric_budget import CAP_SETTING, MetricBudget
 from workers.reporting.reporter import Reporter
 
@@ -56,7 +56,7 @@ def _running(client: TestClient, db: Session, attempt: int, job_id: str | None =
 
 
 def _flood(run_dir: Path, first: int, steps: int) -> None:
-    path = events_path(run_dir, 0)
+    path = RunFiles(run_dir).rank_events(0)
     path.parent.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     with path.open("a") as f:

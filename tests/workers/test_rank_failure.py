@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_contract.env import exception_file
+from rank_contract.layout import RunFiles
 from workers.command.failure import (
     TORCHELASTIC_ERROR_FILE_ENV,
     Raised,
@@ -125,7 +125,7 @@ def test_a_damaged_or_foreign_file_names_nothing(tmp_path: Path, content: str) -
 
 
 def _hook(run_dir: Path, rank: int, kind: str, message: str) -> None:
-    path = exception_file(run_dir, rank)
+    path = RunFiles(run_dir).exception(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "type": kind,
@@ -150,7 +150,7 @@ def test_the_hook_comes_first_then_torchruns_file_then_the_log_then_the_exit(
         return event.error_type, event.message
 
     assert typed() == ("ZeroDivisionError", "division by zero")
-    exception_file(tmp_path, 1).unlink()
+    RunFiles(tmp_path).exception(1).unlink()
     assert typed() == ("KeyError", "'shard-7'")
     monkeypatch.delenv(TORCHELASTIC_ERROR_FILE_ENV)
     assert typed() == ("SyntaxError", "expected ':'")

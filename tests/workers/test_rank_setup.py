@@ -14,9 +14,12 @@ from pydantic import ValidationError
 
 from api_schemas import JobSpec
 from rank_contract.env import DATA_ROOT_ENV
+from rank_contract.layout import JobFiles
 from service.config import Settings
+from workers.attempt.node_run import RunPaths
 from workers.sandbox.rank_setup import RankSetup, prepare
 
+JOB = "d" * 32  # the shape of a job id (uuid4().hex)
 SPEC = {"name": "ranks", "recipe": "mlp", "checkpoint": {"keep_last": 2}}
 
 
@@ -33,11 +36,7 @@ def prepared(settings: Settings, tmp_path: Path) -> RankSetup:
         return prepare(
             settings=settings,
             spec=JobSpec.model_validate(SPEC),
-            job_id="job-1",
-            attempt=1,
-            run_dir=tmp_path / "run",
-            checkpoint_dir=tmp_path / "ckpt",
-            output_dir=tmp_path / "outputs",
+            paths=RunPaths(JobFiles(tmp_path, JOB), attempt=1),
             unsandboxed=None,
             hold=hold,
         )
@@ -52,8 +51,9 @@ def data_root(tmp_path: Path) -> Path:
 
 def test_the_ranks_get_the_jobs_output_dir(tmp_path: Path) -> None:
     setup = prepared(Settings(home=tmp_path), tmp_path)
-    assert setup.env["DPTRAIN_OUTPUT_DIR"] == str(tmp_path / "outputs")
-    assert setup.box is None or tmp_path / "outputs" in setup.box.writable, "writable in the sandbox"
+    outputs = tmp_path / "jobs" / JOB / "outputs"
+    assert setup.env["DPTRAIN_OUTPUT_DIR"] == str(outputs)
+    assert setup.box is None or outputs in setup.box.writable, "writable in the sandbox"
 
 
 def test_the_ranks_get_the_workers_data_root(tmp_path: Path, data_root: Path) -> None:
@@ -120,11 +120,7 @@ def test_oversubscribed_ranks_get_one_thread_each(
     setup = prepare(
         settings=Settings(home=tmp_path, node_slots=slots),
         spec=JobSpec.model_validate({**SPEC, "env": env}),
-        job_id="job-1",
-        attempt=1,
-        run_dir=tmp_path / "run",
-        checkpoint_dir=tmp_path / "ckpt",
-        output_dir=tmp_path / "outputs",
+        paths=RunPaths(JobFiles(tmp_path, JOB), attempt=1),
         unsandboxed=None,
         hold=hold,
     )

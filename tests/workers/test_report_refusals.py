@@ -19,12 +19,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
+from rank_contract.layout import RunFiles
 from service.db import make_engine
 from service.models import Job, JobTransition, LogLine, Metric
 from tests.conftest import free_port, job_spec
 from workers.attempt import end, watch
 from workers.attempt.node_run import Attempt
-from workers.engine.events import events_path
 from workers.reporting import reporter as reporting
 from workers.reporting.reporter import Reporter
 
@@ -45,14 +45,14 @@ def _running(client: TestClient, db: Session) -> str:
 
 def _reporter(sessions: sessionmaker[Session], job_id: str, run_dir: Path, **kw: Any) -> Reporter:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    events_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
+    RunFiles(run_dir).rank_events(0).parent.mkdir(parents=True, exist_ok=True)
     return Reporter(sessions=sessions, job_id=job_id, attempt=1, claim_token=TOKEN, run_dir=run_dir, **kw)
 
 
 def _append(run_dir: Path, *, log: bytes = b"", events: list[dict[str, Any]] | None = None) -> None:
     with (run_dir / "logs" / "rank0.log").open("ab") as f:
         f.write(log)
-    with events_path(run_dir, 0).open("a") as f:
+    with RunFiles(run_dir).rank_events(0).open("a") as f:
         f.write("".join(json.dumps(e) + "\n" for e in events or []))
 
 

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobStatus
+from rank_contract.layout import RunFiles
 from service.models import Checkpoint, Job, LogLine, Metric
 from tests.conftest import job_spec
 from workers.engine.checkpoint import checkpoint_name
@@ -20,7 +21,6 @@ from workers.engine.events import (
     FinishedEvent,
     MetricsEvent,
     StartedEvent,
-    events_path,
 )
 from workers.reporting.reporter import Reporter
 
@@ -108,7 +108,7 @@ def test_every_event_a_rank_writes_reaches_the_reporter(
     db.commit()
     ckpts.mkdir()
     saved.write_bytes(b"x" * 9)
-    writer = EventWriter(events_path(tmp_path, 0), 0)
+    writer = EventWriter(RunFiles(tmp_path).rank_events(0), 0)
     writer.emit(StartedEvent(world_size=2, start_iter=4, total_steps=10, device="cpu", backend="gloo"))
     writer.emit_many([MetricsEvent(step=s, values={"loss": 1 / s, "lr": 0.1}) for s in (5, 6)])
     writer.emit(CheckpointEvent(step=6, size_bytes=9, sha256="a" * 64, deleted=[2]))
@@ -167,8 +167,8 @@ def test_a_bad_line_is_skipped_with_a_warning_and_the_rest_is_read(
         good[1],
         good[2][:-5],  # the last line, cut short by a rank that died mid-write
     ]
-    events_path(tmp_path, 0).parent.mkdir(parents=True)
-    events_path(tmp_path, 0).write_text("\n".join(lines))
+    RunFiles(tmp_path).rank_events(0).parent.mkdir(parents=True)
+    RunFiles(tmp_path).rank_events(0).write_text("\n".join(lines))
     reporter = Reporter(sessions=sessions, job_id=job_id, attempt=1, claim_token="t" * 32, run_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="workers.reporting.reporter"):
         reporter.collect(final=True)

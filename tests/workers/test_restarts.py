@@ -15,6 +15,7 @@ import torch
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
+from rank_contract.layout import JobFiles
 from service.config import Settings
 from service.jobs.metrics_repository import metric_series
 from service.models import Checkpoint, Job
@@ -23,7 +24,7 @@ from tests.engine_fixtures import assert_bitwise_equal
 from tests.workers.runs import job_row, node_fixtures, run_attempt, submit_as_admin, timeline
 from workers.attempt.node_run import RunPaths
 from workers.engine.checkpoint import checkpoint_name, read_best_step
-from workers.engine.events import StartedEvent, events_path, parse_event
+from workers.engine.events import StartedEvent, parse_event
 from workers.sandbox.procs import rank_processes
 
 STEPS = 24
@@ -51,14 +52,14 @@ def _submit(sessions: sessionmaker[Session], settings: Settings, **over: Any) ->
 
 def _paths(settings: Settings, job_id: str, *, attempt: int) -> RunPaths:
     """Where the runner keeps node 0's files of an attempt (the runner's own layout)."""
-    return RunPaths(job_dir=settings.artifacts / "jobs" / job_id, attempt=attempt)
+    return RunPaths(JobFiles(settings.artifacts, job_id), attempt=attempt)
 
 
 def _rank_pid(settings: Settings, job_id: str, rank: int) -> int:
     # A CPU rank is a fork of torchrun's agent: its command line and /proc environ are the agent's,
     # so the rank's own log line ("... rank R/W on cpu ... pid=P") says which process it is. P is its
     # pid in the sandbox's PID namespace: the host's process whose innermost pid (NSpid) it is.
-    log = _paths(settings, job_id, attempt=1).run_dir / "logs" / f"rank{rank}.log"
+    log = _paths(settings, job_id, attempt=1).run.folder / "logs" / f"rank{rank}.log"
     found = re.search(rf"rank {rank}/\d+ on .* pid=(\d+)", log.read_text() if log.exists() else "")
     for p in rank_processes(job_id) if found else []:
         if found and _innermost_pid(p.pid) == int(found.group(1)):
@@ -75,7 +76,7 @@ def _innermost_pid(pid: int) -> int | None:
 
 
 def _final_state(settings: Settings, job_id: str) -> dict[str, Any]:
-    path = _paths(settings, job_id, attempt=1).checkpoint_dir / checkpoint_name(STEPS)
+    path = _paths(settings, job_id, attempt=1).job.checkpoints / checkpoint_name(STEPS)
     return dict(torch.load(path, weights_only=True))
 
 
@@ -108,7 +109,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
         "placement restarts it"
     )
     assert rank_processes(job_id) == [], "no rank of the killed attempt may survive"
-    pid_file = _paths(settings, job_id, attempt=1).pid_file
+    pid_file = _paths(settings, job_id, attempt=1).run.pid
     assert pid_file.read_text().strip().isdigit(), "each attempt names its process group for operators"
     job = job_row(sessions, job_id)
     assert job.status == "queued" and job.claim_token is None and job.error is not None
@@ -120,7 +121,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
     assert states == ["queued", "running", "queued", "running", "succeeded"], states
     restart_reason = timeline(sessions, job_id)[2][1] or ""
     assert "restarting after attempt 1 of 2" in restart_reason, restart_reason
-    lines = events_path(_paths(settings, job_id, attempt=2).run_dir, 0).read_text()
+    lines = _paths(settings, job_id, attempt=2).run.rank_events(0).read_text()
     starts = [e.start_iter for e in map(parse_event, lines.splitlines()) if isinstance(e, StartedEvent)]
     assert starts and 0 not in starts, f"attempt 2 must resume from a checkpoint:\n{lines}"
 
@@ -134,7 +135,7 @@ def test_a_sigkilled_rank_resumes_from_its_checkpoint_and_ends_bitwise_equal(
         evals = metric_series(s, job_id=job_id, since_step=None, names=["eval/loss"])["eval/loss"]
         best_rows = [c.step for c in s.query(Checkpoint).filter_by(job_id=job_id) if c.best]
     lowest = min(evals, key=lambda p: (p[1], p[0]))[0]
-    marker = read_best_step(_paths(settings, job_id, attempt=2).checkpoint_dir)
+    marker = read_best_step(_paths(settings, job_id, attempt=2).job.checkpoints)
     assert best_rows == [lowest] == [marker], f"best rows {best_rows}, marker {marker}, eval/loss {evals}"
 
 
@@ -188,4 +189,4 @@ def test_a_job_whose_checkpoints_vanished_never_restarts_from_scratch(
     assert run_attempt(job_id=job_id, settings=settings) is JobStatus.FAILED
     job = job_row(sessions, job_id)
     assert JobError.model_validate(job.error).type == "CheckpointMissing", job.error
-    assert not events_path(_paths(settings, job_id, attempt=2).run_dir, 0).exists()
+    assert not _paths(settings, job_id, attempt=2).run.rank_events(0).exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rank_contract.layout import JobFiles
 from workers.sandbox import bubblewrap
 from workers.sandbox.bubblewrap import Box, bwrap_argv
 from workers.sandbox.scratch import make_scratch, remove_earlier, remove_scratch, short_tmp
@@ -159,10 +160,11 @@ class TestScratch:
     def test_a_later_attempt_removes_the_scratch_an_earlier_one_left_on_its_node(
         self, tmp_path: Path
     ) -> None:
-        job_dir = tmp_path / "job"
+        job = JobFiles(tmp_path, "c" * 32)
+        job_dir = job.folder
         for attempt, node in ((1, 0), (1, 1), (2, 0)):
             make_scratch(job_dir / f"attempt-{attempt}" / f"node-{node}", None)
-        remove_earlier(job_dir, attempt=3, node_rank=0)
+        remove_earlier(job, attempt=3, node_rank=0)
         left = sorted(str(p.relative_to(job_dir)) for p in job_dir.glob("attempt-*/node-*/*"))
         assert left == ["attempt-1/node-1/home", "attempt-1/node-1/tmp", "attempt-1/node-1/work"], left
 

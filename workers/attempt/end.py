@@ -255,7 +255,8 @@ def record_outcome(
     if stopped_for is StopReason.SHUTDOWN:
         message = "its worker was stopped; the job resumes from its last checkpoint"
         return end_abnormally(sessions, att=att, error=JobError(type=WORKER_STOPPED, message=message))
-    error = reporter.root_error() or launcher_error(paths.launcher_log, rc=rc, started=reporter.state.started)
+    started = reporter.state.started
+    error = reporter.root_error() or launcher_error(paths.run.launcher_log, rc=rc, started=started)
     if reporter.state.stacks_summary:
         # Where the other ranks were when a collective timed out (workers/reporting/stack_watch.py).
         error = error.model_copy(update={"message": f"{error.message}; {reporter.state.stacks_summary}"})

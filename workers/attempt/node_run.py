@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from api_schemas import JobSpec
 from rank_contract.files import create_beneath
+from rank_contract.layout import JobFiles, RunFiles
 from workers.attempt.init_checkpoint import InitCheckpoint
 from workers.attempt.launch import Rendezvous
 
@@ -34,26 +34,14 @@ class RunPaths:
     writes the checkpoints and every rank reads them when it resumes.
     """
 
-    job_dir: Path
+    job: JobFiles
     attempt: int
     node_rank: int = 0
 
     @property
-    def run_dir(self) -> Path:
-        return self.job_dir / f"attempt-{self.attempt}" / f"node-{self.node_rank}"
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.job_dir / "checkpoints"
-
-    @property
-    def output_dir(self) -> Path:
-        """DPTRAIN_OUTPUT_DIR: what the job's script writes to keep, across attempts; its artifacts."""
-        return self.job_dir / "outputs"
-
-    @property
-    def spec_path(self) -> Path:
-        return self.run_dir / "spec.json"
+    def run(self) -> RunFiles:
+        """This node's run directory of this attempt."""
+        return self.job.run(self.attempt, self.node_rank)
 
     def write_spec(self, spec: JobSpec) -> None:
         """Write the ranks' spec.json, which the engine validates into this same model (engine.config)."""
@@ -61,20 +49,12 @@ class RunPaths:
         # as `NaN`, which Python's json reads back without a word.
         text = json.dumps(spec.model_dump(mode="json"), indent=2, allow_nan=False)
         # The ranks' folder: never written through a link or a FIFO put in the file's place.
-        f = create_beneath(self.run_dir, self.spec_path.name, append=False)
+        path = self.run.spec
+        f = create_beneath(path.parent, path.name, append=False)
         if f is None:
-            raise OSError(f"{self.spec_path} is a link or not a regular file: the spec is not written there")
+            raise OSError(f"{path} is a link or not a regular file: the spec is not written there")
         with f:
             f.write(text.encode())
-
-    @property
-    def launcher_log(self) -> Path:
-        return self.run_dir / "logs" / "launcher.log"
-
-    @property
-    def pid_file(self) -> Path:
-        """The launcher's pid, its process group id: bwrap's (SIGKILL ends the sandbox), else torchrun's."""
-        return self.run_dir / "torchrun.pid"
 
 
 @dataclass(frozen=True)

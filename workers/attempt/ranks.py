@@ -90,9 +90,9 @@ class LocalTorchrun:
             job_id=self.job_id,
             node=self.node,
             nproc=spec.resources.processes_per_node,
-            spec_path=str(paths.spec_path),
-            run_dir=str(paths.run_dir),
-            checkpoint_dir=str(paths.checkpoint_dir),
+            spec_path=str(paths.run.spec),
+            run_dir=str(paths.run.folder),
+            checkpoint_dir=str(paths.job.checkpoints),
             nnodes=run.nnodes,
             rendezvous=run.rendezvous,
             local_addr=run.address or None,
@@ -109,7 +109,7 @@ class LocalTorchrun:
         elif setup.run_as is not None:
             user |= setup.run_as.popen_args()
         self._sandboxed = setup.box is not None
-        log_path = paths.launcher_log
+        log_path = paths.run.launcher_log
         launcher_out = create_beneath(log_path.parent, log_path.name)
         if launcher_out is None:
             why = "is a link or not a regular file: the launcher's output is not put there"
@@ -129,7 +129,7 @@ class LocalTorchrun:
         # For operators (and a recovering worker on another machine's tooling): which group to kill.
         # Never a reason to lose track of the group just started; never written through a link or a FIFO
         # the ranks put in its place (rank_contract.files).
-        if (pid_file := create_beneath(paths.run_dir, paths.pid_file.name, append=False)) is not None:
+        if (pid_file := create_beneath(paths.run.folder, paths.run.pid.name, append=False)) is not None:
             with pid_file:
                 pid_file.write(f"{proc.pid}\n".encode())
 

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from rank_contract.failures import Failure
+from rank_contract.layout import JobFiles
 from service.config import Settings
 from service.db import session_factory
 from service.scheduling import repository as placement
@@ -39,7 +40,7 @@ from workers.attempt.node_run import NodeRun, RunPaths
 from workers.attempt.outputs import Guard, Limits
 from workers.attempt.outputs import record as record_outputs
 from workers.attempt.ranks import Launcher, LocalTorchrun, Ranks
-from workers.attempt.watch import StopReason, Watch, stop_file, stopping
+from workers.attempt.watch import StopReason, Watch, stopping
 from workers.pyenv import provision
 from workers.pyenv.environments import Aborted, EnvironmentFailed
 from workers.reporting.reporter import Reporter, final_flush
@@ -120,7 +121,7 @@ def _run_node(
             "job %s attempt %d node %d: not ours to start (stale or duplicate)", job_id, attempt, node_rank
         )
         return None
-    paths = RunPaths(settings.artifacts / "jobs" / job_id, attempt, node_rank)
+    paths = RunPaths(JobFiles(settings.artifacts, job_id), attempt, node_rank)
     try:
         if isinstance(run, Unrunnable):
             log.error("job %s: %s", job_id, run.error.message)
@@ -148,17 +149,17 @@ def _supervise(
     # Before anything of this attempt is written: an earlier one's ranks must not write beside it.
     ranks.clear_earlier()
     # Scratch an earlier attempt here could not remove (its worker died first).
-    remove_earlier(paths.job_dir, attempt=att.number, node_rank=paths.node_rank)
-    for sub in ("logs", "events"):
-        (paths.run_dir / sub).mkdir(parents=True, exist_ok=True)
-    paths.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    paths.output_dir.mkdir(parents=True, exist_ok=True)
-    if missing := missing_checkpoints(sessions, job_id=job_id, directory=paths.checkpoint_dir):
+    remove_earlier(paths.job, attempt=att.number, node_rank=paths.node_rank)
+    for folder in (paths.run.logs, paths.run.events):
+        folder.mkdir(parents=True, exist_ok=True)
+    paths.job.checkpoints.mkdir(parents=True, exist_ok=True)
+    paths.job.outputs.mkdir(parents=True, exist_ok=True)
+    if missing := missing_checkpoints(sessions, job_id=job_id, directory=paths.job.checkpoints):
         # Never restart silently from scratch: that would later prune the evidence (keep_last).
         error = JobError(type=Failure.CHECKPOINT_MISSING, message=missing)
         return end_abnormally(sessions, att=att, error=error)
     if att.number > 1 and run.is_primary:
-        sync_checkpoints(sessions, att=att, directory=paths.checkpoint_dir, attempt=max(1, att.number - 1))
+        sync_checkpoints(sessions, att=att, directory=paths.job.checkpoints, attempt=max(1, att.number - 1))
     paths.write_spec(spec)
     # Closed last: the ranks' own uid (rank_setup.ranks_user) is leased until their processes are
     # gone and the attempt's files are the worker's again (take_back, in _prepare_and_launch, runs first).
@@ -182,20 +183,16 @@ def _prepare_and_launch(
         setup = prepare(
             settings=settings,
             spec=spec,
-            job_id=att.job_id,
-            attempt=att.number,
-            run_dir=paths.run_dir,
-            checkpoint_dir=paths.checkpoint_dir,
-            output_dir=paths.output_dir,
+            paths=paths,
             unsandboxed=ranks.unsandboxed(),
             hold=hold,
             multi_node=run.nnodes > 1,
             cluster_uid=run.cluster_uid,
             interface=interface_of(run.address) if run.rendezvous is not None else None,
-            init=init_checkpoint.needed(run.init, checkpoint_dir=paths.checkpoint_dir),
+            init=init_checkpoint.needed(run.init, checkpoint_dir=paths.job.checkpoints),
         )
     except SetupFailed as exc:
-        remove_scratch(paths.run_dir)
+        remove_scratch(paths.run.folder)
         return end_abnormally(sessions, att=att, error=exc.error)
     if setup.unsandboxed is not None:
         note_unsandboxed(
@@ -215,14 +212,9 @@ def _prepare_and_launch(
             )
     finally:
         # Its ranks are gone (_launch killed what was left): only what they wrote on purpose stays.
-        remove_scratch(paths.run_dir)
+        remove_scratch(paths.run.folder)
         if setup.run_as is not None:
-            primary = run.is_primary
-            take_back(
-                run_dir=paths.run_dir,
-                checkpoint_dir=paths.checkpoint_dir if primary else None,
-                output_dir=paths.output_dir if primary else None,
-            )
+            take_back(paths=paths, primary=run.is_primary)
 
 
 def _launch(
@@ -242,25 +234,25 @@ def _launch(
         job_id=job_id,
         attempt=paths.attempt,
         claim_token=run.att.token,
-        run_dir=paths.run_dir,
+        run_dir=paths.run.folder,
         max_log_bytes=settings.max_log_bytes_per_job,
         max_metric_points=settings.max_metric_points_per_job,
         nodes=run.nnodes,
-        checkpoint_dir=paths.checkpoint_dir if run.is_primary else None,
+        checkpoint_dir=paths.job.checkpoints if run.is_primary else None,
     )
     max_runtime = spec.max_runtime_seconds
     deadline = time.monotonic() + max_runtime if max_runtime else None
     watch = Watch(
         stall_seconds=spec.stall_timeout_seconds,
         grace=settings.cancel_grace_seconds,
-        stop_file=stop_file(paths.run_dir) if spec.command is not None else None,
+        stop_file=paths.run.stop if spec.command is not None else None,
     )
     limits = Limits(max_bytes=settings.max_output_bytes_per_job, max_files=settings.max_output_files_per_job)
     # Rank 0's node alone measures and records the outputs and the checkpoints (rank 0 writes them;
     # docs/code.md).
-    guard = Guard(paths.output_dir, limits) if run.is_primary else None
+    guard = Guard(paths.job.outputs, limits) if run.is_primary else None
     cap = settings.max_checkpoint_bytes_per_job
-    ckpt_guard = CheckpointGuard(paths.checkpoint_dir, cap=cap) if run.is_primary else None
+    ckpt_guard = CheckpointGuard(paths.job.checkpoints, cap=cap) if run.is_primary else None
     try:
         setup = provision.enter(
             hold, sessions=sessions, settings=settings, run=run, paths=paths, setup=setup, reporter=reporter
@@ -290,7 +282,7 @@ def _launch(
         # attempt leaves, and the job's checkpoint list says so whatever events a kill cut short.
         _sync_at_end(sessions, run=run, paths=paths)
         over = record_outputs(
-            sessions, job_id=job_id, attempt=paths.attempt, directory=paths.output_dir, limits=limits
+            sessions, job_id=job_id, attempt=paths.attempt, directory=paths.job.outputs, limits=limits
         )
         error = over or guard.error or ckpt_guard.at_end()
         if error is not None and not reporter.state.cancel_requested:
@@ -309,7 +301,7 @@ def _launch(
 def _sync_at_end(sessions: sessionmaker[Session], *, run: NodeRun, paths: RunPaths) -> None:
     """Reconcile the job's checkpoint rows with its files once this attempt's ranks are gone."""
     try:
-        sync_checkpoints(sessions, att=run.att, directory=paths.checkpoint_dir, attempt=paths.attempt)
+        sync_checkpoints(sessions, att=run.att, directory=paths.job.checkpoints, attempt=paths.attempt)
     except Exception:  # noqa: BLE001 - the end state matters more; the next attempt's start syncs too
         log.warning("job %s: reconciling its checkpoint rows failed", run.att.job_id, exc_info=True)
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 
-from rank_contract.env import stop_file
 from rank_contract.files import touch_beneath
 
 
@@ -55,7 +54,7 @@ stopping = threading.Event()
 # included, within the 10 s that `docker stop` waits before its SIGKILL.
 SHUTDOWN_GRACE_SECONDS = 3.0
 
-__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "StopReason", "Watch", "stop_file", "stopping"]
+__all__ = ["ASKED_FIRST", "SHUTDOWN_GRACE_SECONDS", "StopReason", "Watch", "stopping"]
 
 
 class Watch:

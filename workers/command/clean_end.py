@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from rank_contract.env import finished_file
+from rank_contract.layout import RunFiles
 from workers.engine.events import WarningEvent
 
 # Signals a process raises on itself when it crashes. A signal from outside (SIGTERM, SIGKILL: a
@@ -26,7 +26,7 @@ def after_finish(run_dir: Path, rank: int, returncode: int) -> WarningEvent | No
     """The warning for `rank`'s program killed by a crash signal after `finish()`; None: its exit decides."""
     if returncode >= 0 or -returncode not in CRASH_SIGNALS:
         return None
-    if not finished_file(run_dir, rank).exists():
+    if not RunFiles(run_dir).finished(rank).exists():
         return None  # it crashed before its clean end: a failure like any other
     name = signal.Signals(-returncode).name
     message = (

@@ -3,7 +3,7 @@
 In order, the first that answers:
 
 1. dptrain's start-up hook in the program's interpreter (workers/command/rank_hook/sitecustomize.py): the
-   uncaught exception's type, message and traceback, as JSON in rank_contract.env.exception_file;
+   uncaught exception's type, message and traceback, as JSON in rank_contract.layout's RunFiles.exception;
 2. torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE), written by a program whose entry point
    carries torch.distributed.elastic.multiprocessing.errors.record (the hook can be missing: an
    interpreter started with -I, -E or -S, a program that replaced sys.excepthook without chaining
@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rank_contract.env import EXCEPTION_FILE_ENV, exception_file
+from rank_contract.env import EXCEPTION_FILE_ENV
 from rank_contract.failures import Failure
 from rank_contract.files import read_file
+from rank_contract.layout import RunFiles
 from workers.engine.events import TRACEBACK_TAIL_LINES, ErrorEvent
 
 # torchrun's variable for a rank's error file (torch.distributed.elastic's ErrorHandler).
@@ -169,7 +170,7 @@ def _signal_name(signum: int) -> str:
 
 def program_env(run_dir: Path, rank: int) -> dict[str, str]:
     """The program's environment: the rank's, unbuffered, and where dptrain's hook records its exception."""
-    path = exception_file(run_dir, rank)
+    path = RunFiles(run_dir).exception(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return {**os.environ, "PYTHONUNBUFFERED": "1", EXCEPTION_FILE_ENV: str(path)}
 
@@ -178,7 +179,7 @@ def failure(rank: int, returncode: int, *, run_dir: Path, log_path: Path) -> Err
     """The error event of rank `rank`'s program that exited with `returncode` (negative: by that signal)."""
     log = log_tail(log_path)
     raised = (
-        from_hook_file(exception_file(run_dir, rank))
+        from_hook_file(RunFiles(run_dir).exception(rank))
         or from_torchelastic_file(os.environ.get(TORCHELASTIC_ERROR_FILE_ENV))
         or from_log(log)
     )

@@ -26,11 +26,12 @@ from typing import NoReturn
 
 from rank_contract.env import SUPERVISOR_ENV
 from rank_contract.failures import Failure
+from rank_contract.layout import RunFiles
 from rank_contract.stacks import await_dump, collective_timed_out
 from workers.command.args import expand_command
 from workers.command.clean_end import after_finish
 from workers.command.failure import failure, program_env
-from workers.engine.events import ErrorEvent, EventWriter, events_path
+from workers.engine.events import ErrorEvent, EventWriter
 from workers.engine.process import default_signals, own_session, redirect_output, supervisor_id
 
 # Signals a rank may get directly rather than through its group; the wrapper passes them on.
@@ -105,10 +106,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     default_signals()
     own_session()  # a no-op under torchrun, which already starts each rank as a session leader
     rank = int(os.environ.get("RANK", "0"))
-    log_path = args.run_dir / "logs" / f"rank{rank}.log"
+    files = RunFiles(args.run_dir)
+    log_path = files.rank_log(rank)
     # The program inherits fds 1 and 2: its output, and the wrapper's own words, go to the rank's log.
     redirect_output(log_path)
-    events = EventWriter(events_path(args.run_dir, rank), rank)
+    events = EventWriter(files.rank_events(rank), rank)
     watch_supervisor_group(os.environ.get(SUPERVISOR_ENV))
     cmd = program(expand_command(args.command, os.environ))
     try:

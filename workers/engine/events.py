@@ -105,11 +105,6 @@ def parse_event(line: str | bytes) -> Event:
     return _EVENT.validate_json(line)
 
 
-def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    """Where rank `rank` writes its events."""
-    return Path(run_dir) / "events" / f"rank{rank}.jsonl"
-
-
 def describe(exc: BaseException) -> tuple[str, str]:
     """(type, message) for a rank's error, naming what a user can act on where we can tell."""
     text = str(exc)

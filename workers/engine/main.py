@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from rank_contract.env import INIT_CHECKPOINT_ENV, SUPERVISOR_ENV
+from rank_contract.layout import RunFiles
 from rank_contract.stacks import await_dump, collective_timed_out, name_this_rank
-from workers.engine.events import EventWriter, events_path
+from workers.engine.events import EventWriter
 from workers.engine.loader_faults import loader_failure
 from workers.engine.process import default_signals, own_session, redirect_output, watch_supervisor
 
@@ -130,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         own_session()
     rank = int(os.environ["RANK"]) if launched else 0
     # First thing: everything this rank prints (Python, C++, NCCL) lands in its own log file.
-    restore = redirect_output(args.run_dir / "logs" / f"rank{rank}.log")
-    events = EventWriter(events_path(args.run_dir, rank), rank)
+    files = RunFiles(args.run_dir)
+    restore = redirect_output(files.rank_log(rank))
+    events = EventWriter(files.rank_events(rank), rank)
     # Die with the worker that launched us (see rank_contract.env.SUPERVISOR_ENV).
     watch_supervisor(os.environ.get(SUPERVISOR_ENV))
     try:

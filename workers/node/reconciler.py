@@ -24,8 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError, JobStatus
 from rank_contract.failures import Failure
+from rank_contract.layout import code_archive
 from service.code import repository as code_repository
-from service.code.storage import archive_path, sweep_partial_uploads
+from service.code.storage import sweep_partial_uploads
 from service.config import Settings
 from service.dispatch import Dispatcher
 from service.jobs import repository
@@ -118,7 +119,7 @@ def purge_expired(
             unused = code_repository.delete_unused(session, used_before=cutoff)
         # Files after the commit: an archive whose row is gone is one the API no longer offers.
         for sha in unused:
-            archive_path(artifacts, sha).unlink(missing_ok=True)
+            code_archive(artifacts, sha).unlink(missing_ok=True)
         if unused:
             log.info("deleted %d unused code archives past the %g-day retention", len(unused), retention_days)
     total = 0

@@ -68,7 +68,7 @@ def enter(
         lines=lines,
         settings=settings,
         # In the run's logs/ folder and no rank's file: the reporter ships its lines with no rank.
-        log=paths.run_dir / "logs" / "setup.log",
+        log=paths.run.setup_log,
         # Where and as whom the ranks run, as rank_setup decided for this attempt.
         sandboxed=setup.box is not None,
         run_as=setup.run_as,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import sqlite3
 import stat
 import time
@@ -28,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import JobError
 from rank_contract.checkpoints import checkpoint_name
+from rank_contract.layout import EVENTS_FOLDER, EVENTS_GLOB, LOGS_FOLDER, LOGS_GLOB, rank_of
 from service.config import get_settings
 from service.files import open_beneath
 from service.jobs import lifecycle, repository, stacks_repository
@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 # How long the last reports of an attempt are retried through a database outage.
 FINAL_FLUSH_SECONDS = 300
 
-_RANK_FILE = re.compile(r"rank(\d+)\.")
 # How many checkpoint events an attempt's timeline names when their files are not there to list.
 NOTED_REFUSALS = 5
 # The ranks' warnings noted on an attempt's timeline entry; later ones go to the worker's log only.
@@ -78,11 +77,6 @@ _REFUSALS = (
     sqlite3.IntegrityError,
     UnicodeError,
 )
-
-
-def _rank_of(path: Path) -> int | None:
-    m = _RANK_FILE.match(path.name)
-    return int(m.group(1)) if m else None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -162,8 +156,8 @@ class Reporter:
         # The ranks write these folders: every file is opened beneath run_dir with no link followed
         # (workers/reporting/tail.py), and a log file past the job's whole budget is counted, not read,
         # and emptied.
-        self.events = TailSet(run_dir, "events", "rank*.jsonl")
-        self.logs = TailSet(run_dir, "logs", "*.log", truncate_past=cap)
+        self.events = TailSet(run_dir, EVENTS_FOLDER, EVENTS_GLOB)
+        self.logs = TailSet(run_dir, LOGS_FOLDER, LOGS_GLOB, truncate_past=cap)
         self.state = RunState()
         # Points wait in `_metrics_incoming` until the budget knows what the job stored before.
         self._metrics_incoming: list[dict[str, Any]] = []
@@ -206,7 +200,7 @@ class Reporter:
             seen += 1
             line = escape_text(line)
             self._incoming.append(
-                {"job_id": self.job_id, "attempt": self.attempt, "rank": _rank_of(path), "line": line}
+                {"job_id": self.job_id, "attempt": self.attempt, "rank": rank_of(path.name), "line": line}
             )
         lines, size = self.logs.take_dropped()
         # Lines cut unread past the budget are still the ranks' activity (the stall watchdog's).
@@ -357,7 +351,8 @@ class Reporter:
     def _note_refused(self) -> None:
         # The file is never read; the job's owner learns why its lines are missing (the launcher's
         # line, rank NULL, within the budget like any other).
-        for sub, tails in (("logs", self.logs), ("events", self.events)):
+        for tails in (self.logs, self.events):
+            sub = tails.folder
             for name in tails.refused:
                 if f"{sub}/{name}" in self._unreadable_names:
                     continue

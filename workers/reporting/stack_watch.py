@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import StackDump, StackReason
 from rank_contract.files import touch_beneath
-from rank_contract.stacks import collective_timed_out, stacks_taken_file
+from rank_contract.layout import RunFiles
+from rank_contract.stacks import collective_timed_out
 from service.jobs import lifecycle, repository, stacks_repository
 from workers.attempt.watch import StopReason
 from workers.reporting import stacks
@@ -77,7 +78,7 @@ class StackWatch:
         taken = self._take(reason, requested_at=None)
         # The rank whose collective timed out waits for this before it exits (rank_contract/stacks.py).
         # In the ranks' own folder: never through a link or a FIFO they put there (rank_contract.files).
-        touch_beneath(self.run_dir, stacks_taken_file(self.run_dir).name)
+        touch_beneath(self.run_dir, RunFiles(self.run_dir).stacks_taken.name)
         if taken is not None:
             state.stacks_summary = stacks.summary(taken)
 

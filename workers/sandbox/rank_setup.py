@@ -16,10 +16,11 @@ from typing import Any
 from api_schemas import JobError, JobSpec
 from rank_contract.env import sdk_env
 from rank_contract.failures import Failure
-from service.code.storage import archive_path
+from rank_contract.layout import code_archive
 from service.config import Settings
 from workers.attempt.init_checkpoint import InitCheckpoint, unshare
 from workers.attempt.init_checkpoint import verify as verify_init
+from workers.attempt.node_run import RunPaths
 from workers.engine.process import supervisor_id
 from workers.sandbox import bubblewrap, rank_uids
 from workers.sandbox.code_cache import CodeArchiveError, unpack_cached
@@ -133,7 +134,7 @@ def unpack_code(settings: Settings, spec: JobSpec) -> Path | None:
     sha256 = spec.code.sha256
     try:
         return unpack_cached(
-            archive=archive_path(settings.artifacts, sha256),
+            archive=code_archive(settings.artifacts, sha256),
             sha256=sha256,
             cache_dir=settings.code_cache,
             max_unpacked_bytes=settings.code_max_unpacked_bytes,
@@ -146,11 +147,7 @@ def prepare(
     *,
     settings: Settings,
     spec: JobSpec,
-    job_id: str,
-    attempt: int,
-    run_dir: Path,
-    checkpoint_dir: Path,
-    output_dir: Path,
+    paths: RunPaths,
     unsandboxed: str | None,
     hold: contextlib.ExitStack,
     multi_node: bool = False,
@@ -160,6 +157,7 @@ def prepare(
 ) -> RankSetup:
     """Unpack the code, make the scratch, choose the ranks' user and hand the run's folders to it.
 
+    `paths`: the job's folders and this node's run directory of the attempt;
     `unsandboxed` says why this worker cannot sandbox the ranks (`bubblewrap.unavailable`), None if it can;
     `hold` keeps the ranks' own uid leased (`ranks_user`) until it closes, after the attempt's end;
     `multi_node` says the attempt has other nodes, `cluster_uid` the uid placement gave all of them;
@@ -171,6 +169,7 @@ def prepare(
     why = unsandboxed
     if why is not None and settings.sandbox == "required":
         raise SetupFailed(JobError(type=Failure.SANDBOX_UNAVAILABLE, message=why))
+    run_dir, checkpoint_dir, output_dir = paths.run.folder, paths.job.checkpoints, paths.job.outputs
     code_dir = unpack_code(settings, spec)
     scratch = make_scratch(run_dir, code_dir)
     # Never root inside the sandbox: a root worker's sandboxed ranks always get a user here.
@@ -180,7 +179,7 @@ def prepare(
         multi_node=multi_node,
         cluster_uid=cluster_uid,
         hold=hold,
-        attempt=f"{job_id}/{attempt}",
+        attempt=f"{paths.job.job_id}/{paths.attempt}",
     )
     if run_as is not None:
         if init is not None:
@@ -193,10 +192,10 @@ def prepare(
             run_as.lease.own(owned)
         # A root bwrap binds what the ranks need whatever its folders' modes: only an unsandboxed
         # rank must be able to walk the artifact root to its run directory.
-        _hand_over(run_as, settings=settings, run_dir=run_dir, owned=owned, reach=why is not None)
+        _hand_over(run_as, paths=paths, owned=owned, reach=why is not None)
     ours = sdk_env(
-        job_id=job_id,
-        attempt=attempt,
+        job_id=paths.job.job_id,
+        attempt=paths.attempt,
         run_dir=run_dir,
         checkpoint_dir=checkpoint_dir,
         keep_last=spec.checkpoint.keep_last,
@@ -249,15 +248,13 @@ def _own(top: Path, uid: int, gid: int) -> None:
     os.chmod(top, 0o700)
 
 
-def _hand_over(
-    run_as: RunAs, *, settings: Settings, run_dir: Path, owned: tuple[Path, ...], reach: bool
-) -> None:
+def _hand_over(run_as: RunAs, *, paths: RunPaths, owned: tuple[Path, ...], reach: bool) -> None:
     # The run-as user owns `owned`: this attempt's run directory, the job's checkpoints and outputs
     # (0700). With `reach` it may also pass through the artifact root, the jobs folder and this job's
     # folder (0711: enter, not list, so other jobs' names stay hidden). Other jobs' folders are the
     # worker's again once their attempts end (`take_back`), so their files cannot be read.
-    job_dir = run_dir.parents[1]
-    for folder in (settings.artifacts, settings.artifacts / "jobs", job_dir, run_dir.parent) if reach else ():
+    job = paths.job
+    for folder in (job.root, job.jobs, job.folder, job.attempt(paths.attempt)) if reach else ():
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o711)
     for folder in owned:
@@ -265,11 +262,14 @@ def _hand_over(
         _own(folder, run_as.uid, run_as.gid)
 
 
-def take_back(*, run_dir: Path, checkpoint_dir: Path | None, output_dir: Path | None = None) -> None:
-    """Make an ended attempt's files the worker's again, unreadable to the run-as user's later ranks."""
+def take_back(*, paths: RunPaths, primary: bool) -> None:
+    """Make an ended attempt's files the worker's again, unreadable to the run-as user's later ranks.
+
+    The job's own folders (its checkpoints, outputs and pinned init_from folder, which `prepare`
+    handed over too) only on the `primary` node, whose rank 0 writes them.
+    """
     uid, gid = os.getuid(), os.getgid()
-    # The pinned init_from folder (a job's, beside its checkpoints), which `prepare` handed over too.
-    init_dir = run_dir.parents[1] / "init" if checkpoint_dir is not None else None
-    for owned in (run_dir, checkpoint_dir, output_dir, init_dir):
-        if owned is not None and owned.exists():
+    job = paths.job
+    for owned in (paths.run.folder, *((job.checkpoints, job.outputs, job.init) if primary else ())):
+        if owned.exists():
             _own(owned, uid, gid)

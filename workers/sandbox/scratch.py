@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# The folders of a run directory that are scratch, removed whole when the attempt ends.
-WORKDIR, TMP, HOME = "work", "tmp", "home"
+from rank_contract.layout import JobFiles, RunFiles
+
 # Where unsandboxed ranks' TMPDIR points: a short link to the attempt's tmp. multiprocessing makes
 # its sockets under TMPDIR, and an AF_UNIX path has 108 bytes: a run directory under an ordinary
 # DPTRAIN_HOME is already too deep for a DataLoader's workers. (In the sandbox TMPDIR is /tmp.)
@@ -41,7 +41,8 @@ def make_scratch(run_dir: Path, code_dir: Path | None) -> Scratch:
     writes into its own attempt's folder, never into the cache that the next job with the same code
     runs from.
     """
-    scratch = Scratch(workdir=run_dir / WORKDIR, tmp=run_dir / TMP, home=run_dir / HOME)
+    files = RunFiles(run_dir)
+    scratch = Scratch(workdir=files.workdir, tmp=files.tmp, home=files.home)
     # A delivery of the same attempt again (after a worker's crash) starts from a clean slate.
     remove_scratch(run_dir)
     for folder in (scratch.tmp, scratch.home):
@@ -74,7 +75,7 @@ def short_tmp(run_dir: Path) -> Path:
     Named after the run directory, so the attempt's end finds it again (`remove_scratch`). Only a link
     this worker may replace is used: where another account's file holds the name, the tmp itself.
     """
-    target = run_dir / TMP
+    target = RunFiles(run_dir).tmp
     link = _short_link(run_dir)
     try:
         if link.is_symlink():
@@ -91,18 +92,19 @@ def _short_link(run_dir: Path) -> Path:
 
 def remove_scratch(run_dir: Path) -> None:
     """Delete the scratch folders of the attempt in `run_dir` (quiet about those already gone)."""
-    for name in (WORKDIR, TMP, HOME):
-        remove_tree(run_dir / name)
+    files = RunFiles(run_dir)
+    for folder in files.scratch:
+        remove_tree(folder)
     link = _short_link(run_dir)
     with contextlib.suppress(OSError):
-        if link.is_symlink() and Path(os.readlink(link)) == run_dir / TMP:
+        if link.is_symlink() and Path(os.readlink(link)) == files.tmp:
             link.unlink()
 
 
-def remove_earlier(job_dir: Path, *, attempt: int, node_rank: int) -> None:
+def remove_earlier(job: JobFiles, *, attempt: int, node_rank: int) -> None:
     """Delete scratch this node's earlier attempts of the job left (their worker died before removing it)."""
     for earlier in range(1, attempt):
-        remove_scratch(job_dir / f"attempt-{earlier}" / f"node-{node_rank}")
+        remove_scratch(job.run(earlier, node_rank).folder)
 
 
 def remove_tree(path: Path) -> None:
