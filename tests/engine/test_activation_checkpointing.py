@@ -309,7 +309,9 @@ def _bucket_worker(rank: int, world: int, out_dir: str) -> None:
         checks = []
         for it in range(2):  # the second backward follows zero_grad(set_to_none=True)
             buckets.clear()
-            x, y = trainer.dataset.batch(trainer.sampler.local_indices(it, rank, local), trainer.device)
+            x, y = trainer.data.dataset.batch(
+                trainer.data.sampler.local_indices(it, rank, local), trainer.device
+            )
             trainer._loss((x, y)).backward()
             in_bucket = {
                 n: p.grad is not None and p.grad.untyped_storage().data_ptr() == buckets.get(id(p))

@@ -199,8 +199,8 @@ def test_sync_batchnorm_on_half_batches_equals_batchnorm_on_the_whole(spawned: l
 def _shard_stats() -> list[dict[str, torch.Tensor]]:
     """Running stats a plain BatchNorm model reaches from one forward on each rank's half of batch 0."""
     trainer = _trainer(distributed.DistEnv())
-    idx = GlobalBatchSampler(len(trainer.dataset), BATCH, SEED).global_indices(0)
-    x, _ = trainer.dataset.batch(idx, torch.device("cpu"))
+    idx = GlobalBatchSampler(len(trainer.data.dataset), BATCH, SEED).global_indices(0)
+    x, _ = trainer.data.dataset.batch(idx, torch.device("cpu"))
     stats = []
     for rank in range(WORLD):
         model = copy.deepcopy(trainer.model)

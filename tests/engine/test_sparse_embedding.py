@@ -271,8 +271,8 @@ def test_a_trainer_step_gives_every_rank_the_full_batch_gradient(
     spawned: list[dict[str, Any]], mode: str
 ) -> None:
     trainer = _recipe_trainer(distributed.DistEnv())
-    idx = GlobalBatchSampler(len(trainer.dataset), BATCH, SEED).global_indices(0)
-    x, y = trainer.dataset.batch(idx, torch.device("cpu"))
+    idx = GlobalBatchSampler(len(trainer.data.dataset), BATCH, SEED).global_indices(0)
+    x, y = trainer.data.dataset.batch(idx, torch.device("cpu"))
     nn.functional.cross_entropy(trainer.model(x), y).backward()
     halves = [
         set(x[r * BATCH // WORLD : (r + 1) * BATCH // WORLD].reshape(-1).tolist()) for r in range(WORLD)

@@ -66,8 +66,6 @@ class Trainer:
         self.data = InputPipeline(
             spec=spec, plan=plan, env=env, device=device, local_batch_size=local_batch_size
         )
-        # A map-style dataset as `batch(indices, device)` and its sampler, for stepping without a loader.
-        self.dataset, self.sampler = self.data.dataset, self.data.sampler
         self.sharded = list(plan.sharded)
         params = dict(self.model.named_parameters())
         missing = [n for n in self.sharded if n not in params]
@@ -255,9 +253,10 @@ class Trainer:
 
     def _step(self, it: int, batch: Any = None) -> torch.Tensor:
         if batch is None:  # driven step by step (tests, benchmarks): gather in place
-            assert self.sampler is not None, "a stream's batches come from its loader"
-            idx = self.sampler.local_indices(it, self.env.rank, self.local_batch_size)
-            batch = self.dataset.batch(idx, self.device)
+            sampler = self.data.sampler
+            assert sampler is not None, "a stream's batches come from its loader"
+            idx = sampler.local_indices(it, self.env.rank, self.local_batch_size)
+            batch = self.data.dataset.batch(idx, self.device)
         # Per-rank MEAN loss; DDP divides the summed gradients by world size (data_parallel_model's
         # loss_scale = 1/devices), so the update equals the one for the global-batch mean loss at
         # any world size.
