@@ -182,23 +182,30 @@ def release(lease: Lease) -> None:
     """End `lease`: kill what still runs as its uid, take back what it owned, then free the uid."""
     if lease.gate is not None:
         _release_shared(lease, gate=lease.gate)
-        return
+    elif _end(lease, lease.owned):
+        os.close(lease.fd)
+
+
+def _end(lease: Lease, owned: Iterable[Path]) -> bool:
+    """Kill what runs as the lease's uid and take back `owned`; False if the uid must stay held.
+
+    A process that SIGKILL does not end (stuck in the kernel), or a take-back that failed: the uid
+    stays held by this worker process rather than be lent to another attempt beside it.
+    """
     try:
         if not _end_processes(lease.uid):
-            # A process that SIGKILL does not end (stuck in the kernel): keep the uid held by this
-            # worker process rather than lend it to another attempt beside it.
             log.error(
                 "uid %d: processes outlived SIGKILL; the uid stays held until this worker exits", lease.uid
             )
-            return
-        _take_back(lease.uid, lease.owned)
+            return False
+        _take_back(lease.uid, owned)
         os.ftruncate(lease.fd, 0)
     except BaseException:
         log.exception(
             "uid %d: its lease could not end cleanly; it stays held until this worker exits", lease.uid
         )
-        return
-    os.close(lease.fd)
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -332,24 +339,14 @@ def _release_shared(lease: Lease, *, gate: Path) -> None:
         with _gated(gate):
             try:
                 fcntl.flock(lease.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
+            except BlockingIOError:
                 os.close(lease.fd)  # another node of the attempt runs on here: it ends the lease
                 return
-            if not _end_processes(lease.uid):
+            if not _end(lease, _recorded(lease.fd)):
                 # Kept, exclusively, in no attempt's name: nothing joins a uid whose processes are stuck.
                 _record(lease.fd, _recorded(lease.fd), holder="")
-                log.error(
-                    "uid %d: processes outlived SIGKILL; the uid stays held until this worker exits",
-                    lease.uid,
-                )
                 return
-            _take_back(lease.uid, _recorded(lease.fd))
-            os.ftruncate(lease.fd, 0)
-    except BaseException:
-        log.exception(
-            "uid %d: its lease could not end cleanly; it stays held until this worker exits", lease.uid
-        )
+    except OSError:
+        log.exception("uid %d: its lease could not end; it stays held until this worker exits", lease.uid)
         return
     os.close(lease.fd)
